@@ -1,0 +1,278 @@
+"""Shared machinery of the reparametrized layers (private; the public classes subclass it).
+
+A subclass builds its own `kernel` and `bias` exactly as the Keras layer it replaces, sets the
+matrix view of the kernel (``_matrix_shape``, carrier and mask shapes, and the kernel <->
+matrix maps when the kernel is not a plain reshape of an ``[m, n]`` matrix), then calls
+`_build_carriers()`. Everything the private-step pipeline calls lives here: see the protocol
+in `ReparamDense`'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tf_dp.layers.carriers import power_method, random_carriers, reconstruct_update
+from tf_dp.layers.lsg import lsg_masks, unit_importances
+
+CARRIER_INITS = ("historical", "random")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def validate_reparam_args(rank, sparsity, power_iterations, warmup_steps, carrier_init, seed):
+    """Raises ValueError naming the first bad RGP/LSG constructor argument."""
+    if not _is_int(rank) or rank < 1:
+        raise ValueError(f"`rank` must be an integer >= 1, got {rank!r}")
+    if sparsity is not None and (
+        isinstance(sparsity, bool)
+        or not isinstance(sparsity, numbers.Real)
+        or not 0.0 <= sparsity < 1.0
+    ):
+        raise ValueError(f"`sparsity` must be None or a float in [0, 1), got {sparsity!r}")
+    if not _is_int(power_iterations) or power_iterations < 1:
+        raise ValueError(f"`power_iterations` must be an integer >= 1, got {power_iterations!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}")
+    if carrier_init not in CARRIER_INITS:
+        raise ValueError(f"`carrier_init` must be one of {CARRIER_INITS}, got {carrier_init!r}")
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"`seed` must be None or an integer, got {seed!r}")
+
+
+def reject_unsupported(layer_name, **options):
+    """Keras options the reparametrization cannot honour (LoRA, quantization)."""
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(
+                f"`{name}` is not supported by {layer_name}: the kernel is already "
+                f"reparametrized by gradient carriers. Got {name}={value!r}"
+            )
+
+
+class ReparamLayer(keras.layers.Layer):
+    """Base of `ReparamDense`, `ReparamConv2D` and `ReparamEinsumDense`.
+
+    Not registered for serialization and not meant to be instantiated: use a subclass.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank,
+        sparsity=None,
+        power_iterations=1,
+        warmup_steps=0,
+        carrier_init="historical",
+        seed=None,
+        **kwargs,
+    ):
+        validate_reparam_args(rank, sparsity, power_iterations, warmup_steps, carrier_init, seed)
+        super().__init__(**kwargs)
+        self.rank = int(rank)
+        self.sparsity = None if sparsity is None else float(sparsity)
+        self.power_iterations = int(power_iterations)
+        self.warmup_steps = int(warmup_steps)
+        self.carrier_init = carrier_init
+        # Resolved now so that the config (and hence a reloaded model) reproduces the carriers;
+        # `random` is seeded by `keras.utils.set_random_seed`.
+        self.seed = int(seed) if seed is not None else random.randint(0, 2**31 - 1)
+
+    # ------------------------------------------------------------------ build helpers
+    def _set_matrix_view(self, kernel_shape, input_units_shape, output_units_shape, left_shape,
+                         right_shape, left_mask_shape, right_mask_shape):
+        """Records how the kernel is seen as ``W ∈ R^{m×n}`` and checks `rank` against it."""
+        self._kernel_shape = tuple(int(d) for d in kernel_shape)
+        self._left_shape = tuple(int(d) for d in left_shape)
+        self._right_shape = tuple(int(d) for d in right_shape)
+        self._left_mask_shape = tuple(int(d) for d in left_mask_shape)
+        self._right_mask_shape = tuple(int(d) for d in right_mask_shape)
+        m = math.prod(int(d) for d in input_units_shape)
+        n = math.prod(int(d) for d in output_units_shape)
+        self._matrix_shape = (m, n)
+        if self.rank > min(m, n):
+            raise ValueError(
+                f"`rank` must be <= min(m, n) = {min(m, n)} for layer '{self.name}' whose "
+                f"kernel {self._kernel_shape} is a {m}x{n} matrix, got {self.rank}"
+            )
+
+    def _build_carriers(self):
+        """Creates W0, the carriers, the LSG masks and the step counter (all non-trainable)."""
+        self.reference_kernel = self.add_weight(
+            name="reference_kernel", shape=self._kernel_shape, initializer="zeros",
+            trainable=False,
+        )
+        self.left_carrier = self.add_weight(
+            name="left_carrier", shape=self._left_shape, initializer="zeros", trainable=False
+        )
+        self.right_carrier = self.add_weight(
+            name="right_carrier", shape=self._right_shape, initializer="zeros", trainable=False
+        )
+        self.left_mask = self.add_weight(
+            name="left_mask", shape=self._left_mask_shape, initializer="ones", trainable=False
+        )
+        self.right_mask = self.add_weight(
+            name="right_mask", shape=self._right_mask_shape, initializer="ones", trainable=False
+        )
+        self.carrier_step = self.add_weight(
+            name="carrier_step", shape=(), dtype="int64", initializer="zeros", trainable=False
+        )
+        # Valid (orthonormal) carriers from the first call on, even when build runs while a
+        # tf.function is being traced.
+        with tf.init_scope():
+            self.reset_reference_weights()
+
+    # ------------------------------------------------------------------ matrix views
+    def _kernel_as_matrix(self, kernel):
+        return tf.reshape(kernel, self._matrix_shape)
+
+    def _matrix_as_kernel(self, matrix):
+        return tf.reshape(matrix, self._kernel_shape)
+
+    def _left_as_matrix(self, left):
+        return tf.reshape(left, (self._matrix_shape[0], self.rank))
+
+    def _right_as_matrix(self, right):
+        return tf.reshape(right, (self.rank, self._matrix_shape[1]))
+
+    def _unit_importances(self, kernel):
+        return unit_importances(self._kernel_as_matrix(kernel))
+
+    # ------------------------------------------------------------------ forward helpers
+    def _forward_carriers(self):
+        """``(L_eff, R_eff)``: the carriers' values, gradients masked to the kept units (LSG)."""
+        left = tf.convert_to_tensor(self.left_carrier)
+        right = tf.convert_to_tensor(self.right_carrier)
+        if self.sparsity:
+            left_mask = ops.cast(self.left_mask, left.dtype)
+            right_mask = ops.cast(self.right_mask, right.dtype)
+            left = left * left_mask + ops.stop_gradient(left * (1.0 - left_mask))
+            right = right * right_mask + ops.stop_gradient(right * (1.0 - right_mask))
+        return left, right
+
+    def _residual_kernel(self, left, right):
+        """``stop_gradient(W − L·R)`` in the kernel layout: W gets no autodiff gradient."""
+        kernel = tf.convert_to_tensor(self.kernel)
+        low_rank = tf.matmul(self._left_as_matrix(left), self._right_as_matrix(right))
+        return ops.stop_gradient(kernel - tf.cast(self._matrix_as_kernel(low_rank), kernel.dtype))
+
+    # ------------------------------------------------------------------ pipeline protocol
+    def carrier_variables(self):
+        """``[left_carrier, right_carrier]``: non-trainable Keras variables.
+
+        The forward pass is differentiable w.r.t. them. `tf.GradientTape.watch` takes the
+        backing `tf.Variable`s: ``tape.watch([v.value for v in layer.carrier_variables()])``;
+        ``tape.gradient(loss, layer.carrier_variables())`` then returns ``[∂L, ∂R]``.
+        """
+        return [self.left_carrier, self.right_carrier]
+
+    def noise_masks(self):
+        """``[left_mask, right_mask]`` broadcastable to the carriers; all ones without LSG."""
+        return [tf.convert_to_tensor(self.left_mask), tf.convert_to_tensor(self.right_mask)]
+
+    def reconstruct_gradient(self, grad_left, grad_right):
+        """The gradient for `kernel` (kernel's shape) from carrier gradients (RGP Cor. 2.1.1).
+
+        ``∂W = ∂L·R + L·∂R − L·Lᵀ·∂L·R`` on the matrix view, mapped back to the kernel layout.
+        Uses the current carriers: call it before the next `update_carriers()`.
+        """
+        left = self._left_as_matrix(tf.convert_to_tensor(self.left_carrier))
+        right = self._right_as_matrix(tf.convert_to_tensor(self.right_carrier))
+        grad_left = tf.cast(self._left_as_matrix(grad_left), left.dtype)
+        grad_right = tf.cast(self._right_as_matrix(grad_right), right.dtype)
+        update = reconstruct_update(grad_left, grad_right, left, right)
+        return tf.cast(self._matrix_as_kernel(update), self.kernel.dtype)
+
+    def update_carriers(self):
+        """New carriers and LSG masks for the coming step; tf.function-safe.
+
+        Carriers come from the power method on the historical update ``ΔW = W − W0`` (RGP
+        Algorithm 2), or on ``W`` itself while ``carrier_step < warmup_steps`` or while
+        ``ΔW`` is exactly zero (no history yet); with ``carrier_init="random"`` they are
+        Gaussian, orthonormalised. The Gaussian draws are seeded by ``(seed, carrier_step)``.
+        LSG masks are recomputed from the current W. Then ``carrier_step`` is incremented.
+        """
+        step = tf.convert_to_tensor(self.carrier_step)
+        weights = self._kernel_as_matrix(tf.convert_to_tensor(self.kernel))
+        history = weights - self._kernel_as_matrix(tf.convert_to_tensor(self.reference_kernel))
+        use_weights = tf.logical_or(
+            step < self.warmup_steps, tf.reduce_all(tf.equal(history, 0.0))
+        )
+        self._assign_carriers(tf.where(use_weights, weights, history), step)
+        self.carrier_step.assign_add(1)
+
+    def reset_reference_weights(self):
+        """``W0 ← W``, ``carrier_step ← 0``, carriers and masks recomputed from ``W``.
+
+        Call after loading weights from outside (`reparametrize`, `set_weights` and
+        `load_weights` with a plain layer's two weights do it for you). A full reparam
+        checkpoint restores W0, the carriers and the step instead, so history continues.
+        """
+        self.reference_kernel.assign(self.kernel)
+        self.carrier_step.assign(0)
+        self._assign_carriers(
+            self._kernel_as_matrix(tf.convert_to_tensor(self.kernel)), tf.constant(0, tf.int64)
+        )
+
+    def _assign_carriers(self, source, step):
+        seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(step, tf.int64)])
+        source = tf.cast(source, self.left_carrier.dtype)
+        if self.carrier_init == "random":
+            m, n = self._matrix_shape
+            left, right = random_carriers(m, n, self.rank, seed=seed, dtype=source.dtype)
+        else:
+            left, right = power_method(source, self.rank, self.power_iterations, seed=seed)
+        self.left_carrier.assign(tf.reshape(left, self._left_shape))
+        self.right_carrier.assign(tf.reshape(right, self._right_shape))
+        input_mask, output_mask = lsg_masks(
+            self._unit_importances(tf.convert_to_tensor(self.kernel)), self.sparsity
+        )
+        self.left_mask.assign(tf.reshape(input_mask, self._left_mask_shape))
+        self.right_mask.assign(tf.reshape(output_mask, self._right_mask_shape))
+
+    # ------------------------------------------------------------------ weight transfer
+    def _plain_variables(self):
+        return [self.kernel] + ([self.bias] if self.bias is not None else [])
+
+    def set_weights(self, weights):
+        """Full weight list, or the plain Keras layer's ``[kernel(, bias)]`` (then resets W0)."""
+        if not self.built or len(weights) != len(self._plain_variables()):
+            return super().set_weights(weights)
+        for variable, value in zip(self._plain_variables(), weights):
+            if tuple(variable.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"Layer {self.name} weight shape {variable.shape} is not compatible with "
+                    f"provided weight shape {value.shape}."
+                )
+            variable.assign(value)
+        self.reset_reference_weights()
+
+    def load_own_variables(self, store):
+        """Accepts a full reparam store, or a plain layer's ``kernel(, bias)`` (resets W0)."""
+        if self.built and len(store.keys()) == len(self._plain_variables()):
+            for i, variable in enumerate(self._plain_variables()):
+                variable.assign(store[f"{i}"])
+            self.reset_reference_weights()
+            return
+        super().load_own_variables(store)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "rank": self.rank,
+                "sparsity": self.sparsity,
+                "power_iterations": self.power_iterations,
+                "warmup_steps": self.warmup_steps,
+                "carrier_init": self.carrier_init,
+                "seed": self.seed,
+            }
+        )
+        return config

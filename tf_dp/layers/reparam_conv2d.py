@@ -1,0 +1,244 @@
+"""`ReparamConv2D`: a `keras.layers.Conv2D` whose kernel is trained through gradient carriers."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import activations, constraints, initializers, ops, regularizers
+from keras.src.ops.operation_utils import compute_conv_output_shape
+
+from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
+from tf_dp.layers.lsg import unit_importances
+
+
+def _pair(value, name):
+    values = (value, value) if isinstance(value, int) else tuple(value)
+    if len(values) != 2 or not all(isinstance(v, int) and v > 0 for v in values):
+        raise ValueError(f"`{name}` must be a positive int or a pair of them, got {value!r}")
+    return values
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class ReparamConv2D(ReparamLayer):
+    """`Conv2D` with RGP gradient carriers (and optional LSG sparsity), for private training.
+
+    Same outputs, arguments and trainable weights (``kernel`` ``[kh, kw, c_in, c_out]``,
+    ``bias`` ``[c_out]``) as `keras.layers.Conv2D`. The kernel is seen as the matrix
+    ``W ∈ R^{m×n}``, ``m = kh·kw·c_in``, ``n = c_out`` (a plain reshape), and reparametrized
+    as in RGP §2.1 by two convolutions and a residual (``*`` is convolution)::
+
+        y = (x * L_eff) * R_eff + x * stop_gradient(W − L·R) + b
+        L: [kh, kw, c_in, r]  conv with the layer's kernel size, strides, padding, dilation
+        R: [1, 1, r, c_out]   1×1 conv
+        ∂W ≈ ∂L·R + L·∂R − L·Lᵀ·∂L·R           (on the matrix view, RGP Corollary 2.1.1)
+
+    ``L`` here plays RGP's ``R`` (the paper writes ``h = W·x``, Keras ``y = x·W``, so the
+    roles transpose): in both, the carrier with the original kernel size sees the input first.
+
+    LSG units are channels, importances kernel-level sums ``Σ_{h,w} |W[h, w, i, j]|`` summed
+    over the other channel axis. Masks: ``left_mask`` ``[1, 1, c_in, 1]`` (all rows of ``L``
+    belonging to a frozen input channel), ``right_mask`` ``[1, 1, 1, c_out]``.
+
+    The pipeline protocol (``kernel``, ``bias``, ``carrier_variables()``, ``noise_masks()``,
+    ``reconstruct_gradient()``, ``update_carriers()``, ``reset_reference_weights()``) and the
+    non-trainable weights are those documented in `ReparamDense`; carrier shapes as above.
+
+    Args:
+        filters, kernel_size, strides, padding, data_format, dilation_rate, groups,
+            activation, use_bias, kernel_initializer, bias_initializer, kernel_regularizer,
+            bias_regularizer, activity_regularizer, kernel_constraint, bias_constraint: as in
+            `keras.layers.Conv2D`. ``groups`` must be 1 (a grouped kernel is not one matrix);
+            ``lora_rank``/``lora_alpha`` must be None.
+        rank: number of carrier directions ``r``, ``1 ≤ r ≤ min(kh·kw·c_in, c_out)``.
+        sparsity, power_iterations, warmup_steps, carrier_init, seed: as in `ReparamDense`.
+
+    Reference: Yu, Zhang, Chen, Yin, Liu, "Large Scale Private Learning via Low-rank
+    Reparametrization", ICML 2021, §2.1; Ito et al., "Scaling Private Deep Learning with
+    Low-Rank and Sparse Gradients", arXiv:2207.02699.
+    """
+
+    def __init__(
+        self,
+        filters,
+        kernel_size,
+        strides=(1, 1),
+        padding="valid",
+        data_format=None,
+        dilation_rate=(1, 1),
+        groups=1,
+        activation=None,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        lora_rank=None,
+        lora_alpha=None,
+        *,
+        rank,
+        sparsity=None,
+        power_iterations=1,
+        warmup_steps=0,
+        carrier_init="historical",
+        seed=None,
+        **kwargs,
+    ):
+        if not isinstance(filters, int) or isinstance(filters, bool) or filters <= 0:
+            raise ValueError(f"`filters` must be a positive integer, got {filters!r}")
+        if groups != 1:
+            raise ValueError(
+                f"`groups` must be 1 for ReparamConv2D (a grouped kernel is not one matrix), "
+                f"got {groups!r}"
+            )
+        reject_unsupported("ReparamConv2D", lora_rank=lora_rank)
+        kernel_size = _pair(kernel_size, "kernel_size")
+        strides = _pair(strides, "strides")
+        dilation_rate = _pair(dilation_rate, "dilation_rate")
+        if max(strides) > 1 and max(dilation_rate) > 1:
+            raise ValueError(
+                f"`strides > 1` not supported in conjunction with `dilation_rate > 1`, got "
+                f"strides={strides} and dilation_rate={dilation_rate}"
+            )
+        padding = padding.lower() if isinstance(padding, str) else padding
+        if padding not in ("valid", "same"):
+            raise ValueError(f"`padding` must be 'valid' or 'same', got {padding!r}")
+        data_format = data_format or keras.config.image_data_format()
+        if data_format not in ("channels_last", "channels_first"):
+            raise ValueError(
+                f"`data_format` must be 'channels_last' or 'channels_first', got {data_format!r}"
+            )
+        super().__init__(
+            rank=rank,
+            sparsity=sparsity,
+            power_iterations=power_iterations,
+            warmup_steps=warmup_steps,
+            carrier_init=carrier_init,
+            seed=seed,
+            activity_regularizer=activity_regularizer,
+            **kwargs,
+        )
+        self.filters = filters
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.padding = padding
+        self.data_format = data_format
+        self.dilation_rate = dilation_rate
+        self.groups = 1
+        self.activation = activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.input_spec = keras.layers.InputSpec(min_ndim=4)
+
+    def _channel_axis(self):
+        return -1 if self.data_format == "channels_last" else 1
+
+    def build(self, input_shape):
+        input_channel = input_shape[self._channel_axis()]
+        self.compute_output_shape(input_shape)  # validates the spatial sizes, as Keras does
+        kernel_shape = self.kernel_size + (input_channel, self.filters)
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=kernel_shape,
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+            trainable=True,
+            dtype=self.dtype,
+        )
+        if self.use_bias:
+            self.bias = self.add_weight(
+                name="bias",
+                shape=(self.filters,),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                trainable=True,
+                dtype=self.dtype,
+            )
+        else:
+            self.bias = None
+        self._set_matrix_view(
+            kernel_shape=kernel_shape,
+            input_units_shape=kernel_shape[:3],
+            output_units_shape=(self.filters,),
+            left_shape=self.kernel_size + (input_channel, self.rank),
+            right_shape=(1, 1, self.rank, self.filters),
+            left_mask_shape=(1, 1, input_channel, 1),
+            right_mask_shape=(1, 1, 1, self.filters),
+        )
+        self._build_carriers()
+        self.input_spec = keras.layers.InputSpec(
+            min_ndim=4, axes={self._channel_axis(): input_channel}
+        )
+        self.built = True
+
+    def _unit_importances(self, kernel):
+        # LSG kernel-level importances: each [kh, kw] slice counts by its L1 norm.
+        return unit_importances(tf.reduce_sum(tf.abs(kernel), axis=(0, 1)))
+
+    def _convolve(self, inputs, kernel):
+        return ops.conv(
+            inputs,
+            kernel,
+            strides=list(self.strides),
+            padding=self.padding,
+            dilation_rate=self.dilation_rate,
+            data_format=self.data_format,
+        )
+
+    def call(self, inputs):
+        left, right = self._forward_carriers()
+        hidden = self._convolve(inputs, left)
+        outputs = ops.conv(hidden, right, strides=1, padding="valid", data_format=self.data_format)
+        outputs = ops.add(outputs, self._convolve(inputs, self._residual_kernel(left, right)))
+        if self.use_bias:
+            if self.data_format == "channels_last":
+                bias_shape = (1, 1, 1, self.filters)
+            else:
+                bias_shape = (1, self.filters, 1, 1)
+            outputs = ops.add(outputs, ops.reshape(self.bias, bias_shape))
+        if self.activation is not None:
+            return self.activation(outputs)
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        return compute_conv_output_shape(
+            input_shape,
+            self.filters,
+            self.kernel_size,
+            strides=self.strides,
+            padding=self.padding,
+            data_format=self.data_format,
+            dilation_rate=self.dilation_rate,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "filters": self.filters,
+                "kernel_size": self.kernel_size,
+                "strides": self.strides,
+                "padding": self.padding,
+                "data_format": self.data_format,
+                "dilation_rate": self.dilation_rate,
+                "groups": self.groups,
+                "activation": activations.serialize(self.activation),
+                "use_bias": self.use_bias,
+                "kernel_initializer": initializers.serialize(self.kernel_initializer),
+                "bias_initializer": initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+                "kernel_constraint": constraints.serialize(self.kernel_constraint),
+                "bias_constraint": constraints.serialize(self.bias_constraint),
+            }
+        )
+        return config

@@ -1,0 +1,180 @@
+"""`ReparamDense`: a `keras.layers.Dense` whose kernel is trained through gradient carriers."""
+
+from __future__ import annotations
+
+import keras
+from keras import activations, constraints, initializers, ops, regularizers
+
+from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class ReparamDense(ReparamLayer):
+    """`Dense` with RGP gradient carriers (and optional LSG sparsity), for private training.
+
+    Same outputs, arguments and trainable weights (``kernel`` ``[m, n]``, ``bias`` ``[n]``) as
+    `keras.layers.Dense`; the kernel ``W`` is reparametrized as (RGP eq. 2, ``y = x·W``)::
+
+        W = L·R + stop_gradient(W − L·R)        L ∈ R^{m×r}, R ∈ R^{r×n} orthonormal
+        y = (x·L_eff)·R_eff + x·stop_gradient(W − L·R) + b
+        ∂L = ∂W·Rᵀ,  ∂R = Lᵀ·∂W                (RGP Theorem 2.1)
+        ∂W ≈ ∂L·R + L·∂R − L·Lᵀ·∂L·R           (RGP Corollary 2.1.1)
+
+    so per-example gradients (and the noise) live in ``r·(m + n)`` dimensions instead of
+    ``m·n``. With LSG ``sparsity = p``, only the ``⌈(1 − p)·units⌉`` most important input units
+    (rows of L) and output units (columns of R) get gradients:
+    ``L_eff = L·M_in + stop_gradient(L·(1 − M_in))`` and likewise for R.
+
+    Protocol used by the tf_dp private-step pipeline (identical on every reparam layer):
+
+    - ``kernel`` (trainable, Keras shape) gets NO autodiff gradient from the forward pass;
+      ``bias`` (trainable) does. A ``kernel_regularizer`` still gives ``kernel`` its own
+      (data-independent) autodiff gradient.
+    - ``carrier_variables()`` → ``[left_carrier [m, r], right_carrier [r, n]]``,
+      non-trainable; the forward pass is differentiable w.r.t. them (``tape.watch``).
+    - ``noise_masks()`` → ``[left_mask [m, 1], right_mask [1, n]]``: 0/1, broadcastable to
+      the carriers; rows of ``∂L`` for frozen input units and columns of ``∂R`` for frozen
+      output units are zero. All ones when ``sparsity`` is None or 0.
+    - ``reconstruct_gradient(grad_left, grad_right)`` → gradient for ``kernel`` ``[m, n]``.
+    - ``update_carriers()``: once per logical step before the forward pass; tf.function-safe.
+      Power method on ``ΔW = W − W0`` (on ``W`` during warm-up or while ``ΔW = 0``), then
+      LSG masks from ``|W|``; increments ``carrier_step``.
+    - ``reset_reference_weights()``: ``W0 ← W``, step 0, carriers from ``W``.
+
+    Non-trainable weights, saved with the model: ``reference_kernel`` (W0), ``left_carrier``,
+    ``right_carrier``, ``left_mask``, ``right_mask``, ``carrier_step``. `set_weights` and
+    `load_weights` also accept the plain `Dense` layer's ``[kernel, bias]``.
+
+    Args:
+        units, activation, use_bias, kernel_initializer, bias_initializer, kernel_regularizer,
+            bias_regularizer, activity_regularizer, kernel_constraint, bias_constraint: as in
+            `keras.layers.Dense`. ``lora_rank``/``lora_alpha``/``quantization_config`` are
+            accepted for signature compatibility and must be None.
+        rank: number of carrier directions ``r``, ``1 ≤ r ≤ min(m, n)`` (checked at build).
+        sparsity: LSG fraction ``p ∈ [0, 1)`` of input and of output units to freeze; None
+            (default) for plain RGP.
+        power_iterations: power-method iterations ``K ≥ 1`` per carrier update (RGP: 1).
+        warmup_steps: number of `update_carriers` calls that decompose ``W`` itself instead
+            of the historical update.
+        carrier_init: ``"historical"`` (RGP) or ``"random"`` (Gaussian carriers, ablation).
+        seed: int seeding the Gaussian draws (stateless, with the step); None draws one.
+
+    Reference: Yu, Zhang, Chen, Yin, Liu, "Large Scale Private Learning via Low-rank
+    Reparametrization", ICML 2021; Ito, Liew, Takahashi, Sasaki, Onizuka, "Scaling Private
+    Deep Learning with Low-Rank and Sparse Gradients", arXiv:2207.02699.
+    """
+
+    def __init__(
+        self,
+        units,
+        activation=None,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        lora_rank=None,
+        lora_alpha=None,
+        quantization_config=None,
+        *,
+        rank,
+        sparsity=None,
+        power_iterations=1,
+        warmup_steps=0,
+        carrier_init="historical",
+        seed=None,
+        **kwargs,
+    ):
+        if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
+            raise ValueError(f"`units` must be a positive integer, got {units!r}")
+        reject_unsupported(
+            "ReparamDense", lora_rank=lora_rank, quantization_config=quantization_config
+        )
+        super().__init__(
+            rank=rank,
+            sparsity=sparsity,
+            power_iterations=power_iterations,
+            warmup_steps=warmup_steps,
+            carrier_init=carrier_init,
+            seed=seed,
+            activity_regularizer=activity_regularizer,
+            **kwargs,
+        )
+        self.units = units
+        self.activation = activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+        self.input_spec = keras.layers.InputSpec(min_ndim=2)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        input_dim = input_shape[-1]
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(input_dim, self.units),
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        if self.use_bias:
+            self.bias = self.add_weight(
+                name="bias",
+                shape=(self.units,),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+            )
+        else:
+            self.bias = None
+        self._set_matrix_view(
+            kernel_shape=(input_dim, self.units),
+            input_units_shape=(input_dim,),
+            output_units_shape=(self.units,),
+            left_shape=(input_dim, self.rank),
+            right_shape=(self.rank, self.units),
+            left_mask_shape=(input_dim, 1),
+            right_mask_shape=(1, self.units),
+        )
+        self._build_carriers()
+        self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: input_dim})
+        self.built = True
+
+    def call(self, inputs, training=None):
+        left, right = self._forward_carriers()
+        x = ops.matmul(ops.matmul(inputs, left), right)
+        x = ops.add(x, ops.matmul(inputs, self._residual_kernel(left, right)))
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+    def compute_output_shape(self, input_shape):
+        output_shape = list(input_shape)
+        output_shape[-1] = self.units
+        return tuple(output_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "units": self.units,
+                "activation": activations.serialize(self.activation),
+                "use_bias": self.use_bias,
+                "kernel_initializer": initializers.serialize(self.kernel_initializer),
+                "bias_initializer": initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+                "kernel_constraint": constraints.serialize(self.kernel_constraint),
+                "bias_constraint": constraints.serialize(self.bias_constraint),
+            }
+        )
+        return config
