@@ -19,3 +19,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+# Under Bazel (which sets TEST_SRCDIR), scripts/test.sh runs each file with -m "not slow". A
+# file whose tests are all marked slow then selects nothing, and pytest's exit code 5 would
+# fail the target; count that case as a pass there. Outside Bazel, exit code 5 stays a failure.
+_deselected = 0
+
+
+def pytest_deselected(items):
+    global _deselected
+    _deselected += len(items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 5 and _deselected and "TEST_SRCDIR" in os.environ:
+        session.exitstatus = 0
