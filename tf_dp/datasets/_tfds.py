@@ -74,18 +74,21 @@ def load_arrays(
       data_dir: the tfds data directory.
       prepare_from: a manual-download directory holding the raw files; when given and the
         data set is not prepared yet, it is built from those files (no network call).
+        Without it the data set must already be prepared (see `is_prepared`).
     """
     import tensorflow_datasets as tfds
 
     builder = _builder(name, data_dir)
-    if not builder.is_prepared():
-        if prepare_from is None:
-            raise FileNotFoundError(f"tensorflow-datasets has no prepared {name} in {data_dir}")
+    if prepare_from is not None:  # a no-op when the data set is already prepared
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(prepare_from))
         )
     splits = []
     for split in ("train", "test"):
-        x, y = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, as_supervised=True))
-        splits.append((x, np.asarray(y, dtype=np.int64)))
+        # Fixed-size batches, concatenated: batch_size=-1 relies on a known cardinality.
+        xs, ys = [], []
+        for x, y in tfds.as_numpy(builder.as_dataset(split=split, as_supervised=True).batch(8192)):
+            xs.append(x)
+            ys.append(y)
+        splits.append((np.concatenate(xs), np.concatenate(ys).astype(np.int64)))
     return splits[0], splits[1]

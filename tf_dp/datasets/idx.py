@@ -33,13 +33,15 @@ def _read_idx(path: str | os.PathLike, magic: int) -> np.ndarray:
     data = _read_bytes(path)
     ndim = magic & 0xFF
     header_size = 4 + 4 * ndim
-    if len(data) < header_size:
+    if len(data) < 4:
         raise ValueError(f"{os.fspath(path)}: too short for an IDX header ({len(data)} bytes)")
     (got_magic,) = struct.unpack(">I", data[:4])
     if got_magic != magic:
         raise ValueError(
             f"{os.fspath(path)}: bad IDX magic number {got_magic:#010x}, expected {magic:#010x}"
         )
+    if len(data) < header_size:
+        raise ValueError(f"{os.fspath(path)}: too short for an IDX header ({len(data)} bytes)")
     shape = struct.unpack(f">{ndim}I", data[4:header_size])
     expected = int(np.prod(shape, dtype=np.int64))
     if len(data) - header_size != expected:
