@@ -1,0 +1,8 @@
+"""The private-step pipeline: per-example norms, clipping, noise (see DESIGN.md)."""
+
+from tf_dp.core.losses import build_per_example_loss
+from tf_dp.core.private_step import (ClippedSum, NORM_STRATEGIES, batch_size_of, clip_factors,
+                                     clipped_sum, gaussian_noise)
+
+__all__ = ["ClippedSum", "NORM_STRATEGIES", "batch_size_of", "build_per_example_loss",
+           "clip_factors", "clipped_sum", "gaussian_noise"]

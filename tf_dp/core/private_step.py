@@ -1,0 +1,145 @@
+"""The one private-step pipeline shared by every tf_dp optimizer (see DESIGN.md).
+
+    per-example norms  ->  clip factors w_i = min(1, C / ||g_i||)  ->  sum_i w_i g_i
+    -> + N(0, sigma^2 C^2) once per logical step  ->  / expected batch size
+
+Only the norm strategy differs between optimizers; these functions are composed by
+``tf_dp.keras.DPModel.train_step`` and the DP optimizers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tf_dp.core import ghost, vmap
+
+NORM_STRATEGIES = ("auto", "ghost", "vmap")
+
+
+@dataclasses.dataclass
+class ClippedSum:
+    """Result of the clipping stage for one (micro-)batch."""
+
+    grads: list  # sum_i w_i g_i for each privatized variable, in the variable's shape
+    losses: tf.Tensor  # per-example losses (B,)
+    y_pred: object  # model outputs, for metrics
+    norms: tf.Tensor  # per-example gradient norms (B,) before clipping
+
+
+def clip_factors(norms, l2_norm_clip):
+    """``w_i = C / max(||g_i||, C)``, i.e. ``min(1, C/||g_i||)`` and 1 for a zero gradient.
+
+    Non-finite norms stop training with a clear error instead of reaching the weights.
+    """
+    norms = tf.debugging.assert_all_finite(
+        norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs and "
+               "learning rate); the step was not applied.")
+    c = tf.cast(l2_norm_clip, norms.dtype)
+    return tf.stop_gradient(c / tf.maximum(norms, c))
+
+
+def batch_size_of(x):
+    leaf = next(t for t in tf.nest.flatten(x) if t is not None)
+    static = leaf.shape[0]
+    return static if static is not None else tf.shape(leaf)[0]
+
+
+def _check_no_cross_example_layers(model):
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            raise ValueError(
+                f"Layer {layer.name!r} is a BatchNormalization layer: its batch statistics mix "
+                "examples, so per-example gradients (and differential privacy) are undefined. "
+                "Use keras.layers.GroupNormalization or LayerNormalization, or freeze it "
+                "(layer.trainable = False).")
+
+
+def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                variables=None, norm_strategy: str = "auto") -> ClippedSum:
+    """Clips every example's gradient to ``l2_norm_clip`` and sums them.
+
+    Args:
+      model: the Keras model.
+      x, y, sample_weight: one batch; padded examples carry sample weight 0.
+      per_example_loss: ``fn(y_true, y_pred, sample_weight) -> (B,)``.
+      l2_norm_clip: the clipping norm C.
+      variables: variables to privatize (default: ``model.trainable_variables``).
+      norm_strategy: "auto" (ghost formulas where registered, vectorized fallback for the
+        rest), "ghost" (error if any variable lacks a formula) or "vmap" (vectorized for all).
+    """
+    if norm_strategy not in NORM_STRATEGIES:
+        raise ValueError(f"`norm_strategy` must be one of {NORM_STRATEGIES}, got "
+                         f"{norm_strategy!r}.")
+    _check_no_cross_example_layers(model)
+    variables = list(model.trainable_variables if variables is None else variables)
+    if norm_strategy == "vmap":
+        return _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                                 variables)
+
+    batch = batch_size_of(x)
+    layers = ghost.capturable_layers(model)
+    with tf.GradientTape(persistent=False, watch_accessed_variables=True) as tape:
+        with ghost.capture(layers, batch) as rec:
+            y_pred = model(x, training=True)
+        losses = per_example_loss(y, y_pred, sample_weight)
+        total = tf.reduce_sum(losses)
+    norm_objs, _ = ghost.ghost_norms(rec, tape, total)
+    covered = {id(v) for v in (o.variable for o in norm_objs.values())}
+    fallback = [v for v in variables if id(v) not in covered]
+    if fallback and norm_strategy == "ghost":
+        names = sorted({v.path.rsplit("/", 1)[0] for v in fallback})
+        raise ValueError(
+            f"norm_strategy='ghost' but these layers have no ghost-norm formula: {names}. "
+            "Use norm_strategy='auto' (vectorized fallback for them).")
+    sq = tf.zeros_like(losses)
+    for key, obj in norm_objs.items():
+        if id(obj.variable) in {id(v) for v in variables}:
+            sq = sq + tf.cast(obj.sq, sq.dtype)
+    fb_grads = []
+    if fallback:
+        fb_grads, _, _ = vmap.per_example_gradients(model, per_example_loss, x, y,
+                                                    sample_weight, fallback)
+        for g in fb_grads:
+            sq = sq + tf.cast(tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])),
+                                            axis=1), sq.dtype)
+    norms = tf.sqrt(sq)
+    w = clip_factors(norms, l2_norm_clip)
+    by_id = {id(o.variable): o for o in norm_objs.values()}
+    fb_by_id = {id(v): g for v, g in zip(fallback, fb_grads)}
+    grads = []
+    for v in variables:
+        if id(v) in by_id:
+            grads.append(tf.cast(by_id[id(v)].weighted_sum(w), v.dtype))
+        else:
+            g = fb_by_id[id(v)]
+            grads.append(tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype))
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+
+
+def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables):
+    per_ex, losses, y_pred = vmap.per_example_gradients(model, per_example_loss, x, y,
+                                                        sample_weight, variables)
+    sq = tf.add_n([tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
+                   for g in per_ex])
+    norms = tf.sqrt(sq)
+    w = clip_factors(norms, l2_norm_clip)
+    grads = [tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype)
+             for g, v in zip(per_ex, variables)]
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+
+
+def gaussian_noise(shapes_dtypes, stddev, seed):
+    """Independent N(0, stddev^2) noise for each (shape, dtype), from a stateless seed.
+
+    ``seed`` is a (2,) int tensor; each tensor gets its own derived seed so that noise is
+    reproducible given the seed and independent across variables.
+    """
+    out = []
+    for i, (shape, dtype) in enumerate(shapes_dtypes):
+        s = tf.random.experimental.stateless_fold_in(seed, i)
+        out.append(tf.cast(tf.random.stateless_normal(shape, seed=s, stddev=1.0,
+                                                      dtype=tf.float32) * stddev, dtype))
+    return out

@@ -1,0 +1,91 @@
+"""Exact per-example gradients by vectorization, for layers without a ghost-norm formula.
+
+``tf.vectorized_map`` turns one example's gradient into a batched computation. Keras
+recurrent layers run a ``tf.while_loop`` over TensorArrays that pfor cannot convert (the
+"variant dtype" failure also seen with TF Privacy), so recurrent layers are unrolled while
+the per-example function is traced when their time axis is static; when vectorization still
+fails, a ``tf.map_fn`` loop over examples is the last resort (exact, slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import keras
+import tensorflow as tf
+
+_log = logging.getLogger("tf_dp")
+
+
+@contextlib.contextmanager
+def _unrolled_rnns(model):
+    rnns = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.Bidirectional):
+            rnns += [layer.forward_layer, layer.backward_layer]
+        elif isinstance(layer, keras.layers.RNN):
+            rnns.append(layer)
+    saved = [(layer, layer.unroll) for layer in rnns]
+    try:
+        for layer in rnns:
+            layer.unroll = True
+        yield bool(rnns)
+    finally:
+        for layer, value in saved:
+            layer.unroll = value
+
+
+def _expand(structure):
+    return tf.nest.map_structure(lambda t: None if t is None else t[None], structure)
+
+
+def per_example_gradients(model, per_example_loss, x, y, sample_weight, variables,
+                          mode: str = "auto"):
+    """Per-example gradients of ``variables`` (each (B, *var.shape)), losses and outputs.
+
+    Args:
+      model: the Keras model (called with ``training=True`` on one example at a time).
+      per_example_loss: ``fn(y_true, y_pred, sample_weight) -> (B,)``.
+      x, y, sample_weight: the batch (nested structures allowed; sample_weight may be None).
+      variables: the variables whose per-example gradients are wanted.
+      mode: "auto" (vectorize, else loop), "vectorize" or "loop".
+
+    Returns:
+      (list of per-example gradient tensors, per-example losses (B,), outputs (B, ...)).
+    """
+    variables = list(variables)
+
+    def one(args):
+        xi, yi, swi = args
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch([v.value if hasattr(v, "value") else v for v in variables])
+            pred = model(_expand(xi), training=True)
+            loss = per_example_loss(_expand(yi), pred,
+                                    None if swi is None else _expand(swi))
+            loss = tf.reduce_sum(loss)
+        grads = tape.gradient(loss, [v.value if hasattr(v, "value") else v for v in variables],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        squeeze = tf.nest.map_structure(lambda t: t[0], pred)
+        return grads, loss, squeeze
+
+    elems = (x, y, sample_weight)
+    if mode in ("auto", "vectorize"):
+        try:
+            with _unrolled_rnns(model):
+                return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+        except Exception as err:  # pfor conversion errors surface as many types
+            if mode == "vectorize":
+                raise
+            _log.warning("tf_dp: vectorized per-example gradients failed (%s); falling back "
+                         "to a loop over examples (exact, slower).", str(err).split("\n")[0])
+    return _loop(one, elems, model, variables)
+
+
+def _loop(one, elems, model, variables):
+    # map_fn needs the output signature; one example's outputs give it (a small extra cost).
+    first = tf.nest.map_structure(lambda t: None if t is None else t[0], elems)
+    sample = one(first)
+    out_spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), sample)
+    return tf.map_fn(one, elems, fn_output_signature=out_spec, parallel_iterations=16)

@@ -1,0 +1,237 @@
+"""Keras models whose train step is private: DPModel, DPSequential and make_private."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tf_dp.core import losses as losses_lib
+from tf_dp.core import private_step
+from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
+
+_FIXED_BATCH_NOTE = (
+    "tf_dp: training on a dataset of fixed (shuffled) batches. The privacy accounting "
+    "assumes Poisson sampling; for a guarantee that matches it, pass arrays to fit() (Poisson "
+    "sampling is then done for you) or a tf_dp.data.PoissonSampler.")
+
+
+class DPTrainMixin:
+    """The private train step, mixed into a Keras model class.
+
+    ``compile`` requires a tf_dp DP optimizer. ``fit`` on arrays Poisson-samples each batch
+    (each example independently with rate q = batch_size / N; the batch size is then an
+    expected size) so that training matches the privacy accounting. ``train_step`` clips
+    each example's gradient, and the optimizer adds noise once per logical step.
+    """
+
+    # ------------------------------------------------------------------ compile / fit
+
+    def compile(self, optimizer=None, loss=None, loss_weights=None, **kwargs):
+        if optimizer is None or not isinstance(optimizer, DPOptimizerMixin):
+            raise TypeError(
+                "A private model needs a tf_dp differentially private optimizer "
+                "(tf_dp.DPSGD, tf_dp.DPAdam, tf_dp.DPAdamW, ...), got `optimizer`="
+                f"{optimizer!r}. A plain optimizer would train without privacy.")
+        # XLA cannot compile every fallback (vectorized_map / map_fn); keep it opt-in.
+        kwargs.setdefault("jit_compile", False)
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
+        names = getattr(self, "output_names", None)
+        self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
+            steps_per_epoch=None, poisson_sampling: bool = True, **kwargs):
+        """Keras ``fit`` with Poisson sampling for array inputs (see the class docstring).
+
+        Extra argument:
+          poisson_sampling: for array inputs, sample each batch by Poisson sampling with rate
+            q = batch_size / N (default True). False trains on shuffled fixed batches; the
+            training output then notes that the accounting assumes Poisson sampling.
+        """
+        from tf_dp.data.poisson import PoissonSampler
+
+        opt = self.optimizer
+        if not isinstance(opt, DPOptimizerMixin):
+            raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
+        k = opt.accumulation_steps
+        sampler = x if isinstance(x, PoissonSampler) else None
+        if sampler is None and poisson_sampling and _is_array_like(x):
+            if validation_split and validation_data is None:
+                (x, y, sample_weight), validation_data = _split_validation(
+                    x, y, sample_weight, validation_split)
+                validation_split = 0.0
+            sampler = PoissonSampler(x, y, sample_weight=sample_weight,
+                                     expected_batch_size=batch_size or 32,
+                                     accumulation_steps=k, seed=opt.seed)
+        if sampler is not None:
+            if sampler.accumulation_steps != k:
+                raise ValueError(
+                    f"The PoissonSampler splits each logical batch into "
+                    f"{sampler.accumulation_steps} micro-batches but the optimizer's "
+                    f"`gradient_accumulation_steps` is {k}.")
+            self._dp_set_sampling(sampler.expected_micro_batch_size,
+                                  sampler.sampling_probability, poisson=True)
+            return super().fit(sampler.dataset(), epochs=epochs, verbose=verbose, shuffle=False,
+                               callbacks=callbacks, validation_data=validation_data,
+                               steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch * k,
+                               **kwargs)
+        self._dp_set_sampling(None, None, poisson=False)
+        warnings.warn(_FIXED_BATCH_NOTE, stacklevel=2)
+        print(_FIXED_BATCH_NOTE)
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                           callbacks=callbacks, validation_split=validation_split,
+                           validation_data=validation_data, shuffle=shuffle,
+                           sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
+                           **kwargs)
+
+    def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
+        state = (expected_micro_batch_size, sampling_probability, poisson)
+        if getattr(self, "_dp_sampling", None) != state:
+            # The expected batch size is baked into the traced step: retrace on change.
+            self.train_function = None
+        self._dp_sampling = state
+
+    # ------------------------------------------------------------------ the private step
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        opt = self.optimizer
+        if not isinstance(opt, DPOptimizerMixin):
+            raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
+        variables = list(self.trainable_variables)
+        result = private_step.clipped_sum(
+            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip, variables=variables,
+            norm_strategy=opt.norm_strategy)
+        _refuse_data_dependent_losses(self)
+        expected, _, _ = getattr(self, "_dp_sampling", (None, None, False))
+        if expected is None:
+            expected = _global_count(private_step.batch_size_of(x))
+        grads = result.grads
+        reg = _regularization_gradients(variables)
+        if reg is not None:
+            # Weight regularisation is data independent: added after privatisation. The
+            # optimizer divides by `expected` and Keras sums replicas, hence the factors.
+            ctx = tf.distribute.get_replica_context()
+            replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+            grads = [g if r is None else g + r * tf.cast(expected, g.dtype) / replicas
+                     for g, r in zip(grads, reg)]
+        opt.apply_private(grads, variables, expected)
+        return self._dp_metrics(x, y, result, sample_weight)
+
+    def _dp_metrics(self, x, y, result, sample_weight):
+        if sample_weight is not None:
+            included = tf.reduce_sum(tf.cast(tf.reshape(sample_weight, [tf.shape(
+                result.losses)[0], -1])[:, 0] > 0, result.losses.dtype))
+        else:
+            included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
+        self._loss_tracker.update_state(mean_loss, sample_weight=included)
+        return self.compute_metrics(x, y, result.y_pred, sample_weight=sample_weight)
+
+
+def _refuse_data_dependent_losses(model):
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if layer._losses:
+            raise ValueError(
+                f"Layer {layer.name!r} added a loss during the forward pass (add_loss or "
+                "activity_regularizer). Such losses depend on the data but are not per-example, "
+                "so they cannot be clipped; remove them for private training (weight "
+                "regularizers are fine).")
+
+
+def _regularization_gradients(variables):
+    regs = [getattr(v, "regularizer", None) for v in variables]
+    if not any(regs):
+        return None
+    out = []
+    for v, r in zip(variables, regs):
+        if r is None:
+            out.append(None)
+            continue
+        with tf.GradientTape() as tape:
+            tape.watch(v.value)
+            penalty = r(v.value)
+        out.append(tape.gradient(penalty, v.value))
+    return out
+
+
+def _global_count(local):
+    local = tf.cast(local, tf.float32)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return local
+
+
+def _is_array_like(x):
+    if isinstance(x, dict):
+        return all(_is_array_like(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return bool(x) and all(_is_array_like(v) for v in x)
+    return isinstance(x, (np.ndarray, tf.Tensor)) or (hasattr(x, "__array__") and not isinstance(
+        x, tf.data.Dataset))
+
+
+def _split_validation(x, y, sample_weight, split):
+    n = len(tf.nest.flatten(x)[0])
+    cut = int(n * (1.0 - split))
+    head = lambda s: tf.nest.map_structure(lambda a: None if a is None else a[:cut], s)
+    tail = lambda s: tf.nest.map_structure(lambda a: None if a is None else a[cut:], s)
+    val = (tail(x), tail(y)) if sample_weight is None else (tail(x), tail(y),
+                                                             tail(sample_weight))
+    return (head(x), head(y), head(sample_weight)), val
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPModel(DPTrainMixin, keras.Model):
+    """A Keras ``Model`` that trains with differential privacy.
+
+    Use it like ``keras.Model``: functional (``DPModel(inputs, outputs)``) or subclassed
+    (define ``call``). Compile it with a tf_dp optimizer; ``fit`` then clips each example's
+    gradient (exact norms: layer formulas where known, vectorized per-example gradients for
+    other layers), adds Gaussian noise once per logical step and Poisson-samples array inputs.
+
+    Reference: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+    """
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPSequential(DPTrainMixin, keras.Sequential):
+    """A ``keras.Sequential`` that trains with differential privacy (see ``DPModel``)."""
+
+
+def make_private(model: keras.Model) -> keras.Model:
+    """Returns a private version of ``model`` sharing its layers and weights.
+
+    Functional and Sequential models become ``DPModel`` / ``DPSequential`` over the same
+    layers (no copy of weights). A subclassed model gets a private train step installed on
+    a new class derived from its own, so its ``call`` and state are kept.
+
+    Args:
+      model: a Keras model (functional, Sequential or subclassed).
+
+    Raises:
+      TypeError: if ``model`` is not a ``keras.Model``.
+    """
+    if isinstance(model, DPTrainMixin):
+        return model
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if isinstance(model, keras.Sequential):
+        private = DPSequential(model.layers, name=model.name)
+        if model.built and not private.built and model.inputs:
+            private.build(model.inputs[0].shape)
+        return private
+    from keras.src.models.functional import Functional
+
+    if type(model) is Functional:
+        return DPModel(inputs=model.inputs, outputs=model.outputs, name=model.name)
+    # Subclassed model: derive a private class so the instance keeps its own call/state.
+    cls = type(model)
+    private_cls = type(f"Private{cls.__name__}", (DPTrainMixin, cls), {})
+    model.__class__ = private_cls
+    return model

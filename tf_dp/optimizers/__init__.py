@@ -1,0 +1,8 @@
+"""tf_dp optimizers: Keras 3 optimizers with a differentially private update."""
+
+from tf_dp.optimizers.dp_adam import DPAdam
+from tf_dp.optimizers.dp_adamw import DPAdamW
+from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
+from tf_dp.optimizers.dp_sgd import DPSGD
+
+__all__ = ["DPSGD", "DPAdam", "DPAdamW", "DPOptimizerMixin"]
