@@ -53,7 +53,7 @@ def reject_unsupported(layer_name, **options):
         if value is not None:
             raise ValueError(
                 f"`{name}` is not supported by {layer_name}: the kernel is already "
-                f"reparametrized by gradient carriers. Got {name}={value!r}"
+                f"reparametrized by gradient carriers, got {name}={value!r}"
             )
 
 
