@@ -56,8 +56,10 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
     """
     variables = list(variables)
 
+    has_weight = sample_weight is not None
+
     def one(args):
-        xi, yi, swi = args
+        xi, yi, swi = args if has_weight else (*args, None)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch([v.value if hasattr(v, "value") else v for v in variables])
             pred = model(_expand(xi), training=True)
@@ -70,7 +72,7 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
         squeeze = tf.nest.map_structure(lambda t: t[0], pred)
         return grads, loss, squeeze
 
-    elems = (x, y, sample_weight)
+    elems = (x, y, sample_weight) if has_weight else (x, y)
     if mode in ("auto", "vectorize"):
         try:
             with _unrolled_rnns(model):
