@@ -211,9 +211,9 @@ class ReparamLayer(keras.layers.Layer):
     def reset_reference_weights(self):
         """``W0 ← W``, ``carrier_step ← 0``, carriers and masks recomputed from ``W``.
 
-        Call after loading weights from outside (`reparametrize`, `set_weights` and
-        `load_weights` with a plain layer's two weights do it for you). A full reparam
-        checkpoint restores W0, the carriers and the step instead, so history continues.
+        Call after assigning weights from outside (`reparametrize` and `set_weights` with a
+        plain layer's ``[kernel(, bias)]`` do it for you). A full reparam checkpoint restores
+        W0, the carriers and the step instead, so history continues.
         """
         self.reference_kernel.assign(self.kernel)
         self.carrier_step.assign(0)
@@ -253,15 +253,6 @@ class ReparamLayer(keras.layers.Layer):
                 )
             variable.assign(value)
         self.reset_reference_weights()
-
-    def load_own_variables(self, store):
-        """Accepts a full reparam store, or a plain layer's ``kernel(, bias)`` (resets W0)."""
-        if self.built and len(store.keys()) == len(self._plain_variables()):
-            for i, variable in enumerate(self._plain_variables()):
-                variable.assign(store[f"{i}"])
-            self.reset_reference_weights()
-            return
-        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()

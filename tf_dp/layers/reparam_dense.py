@@ -42,8 +42,8 @@ class ReparamDense(ReparamLayer):
     - ``reset_reference_weights()``: ``W0 ← W``, step 0, carriers from ``W``.
 
     Non-trainable weights, saved with the model: ``reference_kernel`` (W0), ``left_carrier``,
-    ``right_carrier``, ``left_mask``, ``right_mask``, ``carrier_step``. `set_weights` and
-    `load_weights` also accept the plain `Dense` layer's ``[kernel, bias]``.
+    ``right_carrier``, ``left_mask``, ``right_mask``, ``carrier_step``. `set_weights` also
+    accepts the plain `Dense` layer's ``[kernel, bias]`` (and then resets W0 and carriers).
 
     Args:
         units, activation, use_bias, kernel_initializer, bias_initializer, kernel_regularizer,
