@@ -11,6 +11,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
 from tf_dp.core import private_step
+from tf_dp.keras.privacy_callback import PrivacyCallback
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 _FIXED_BATCH_NOTE = (
@@ -27,6 +28,46 @@ class DPTrainMixin:
     expected size) so that training matches the privacy accounting. ``train_step`` clips
     each example's gradient, and the optimizer adds noise once per logical step.
     """
+
+    #: delta at which ``epsilon`` is reported; set by ``make_private(model, delta=...)``.
+    privacy_delta = 1e-5
+    #: when set, ``fit`` stops before the step that would exceed this epsilon.
+    target_epsilon = None
+
+    # ------------------------------------------------------------------ privacy budget
+
+    @property
+    def accountant(self):
+        """The model's ``tf_dp.accounting.PrivacyAccountant`` (every private step so far)."""
+        if getattr(self, "_dp_accountant", None) is None:
+            from tf_dp.accounting import PrivacyAccountant
+
+            self._dp_accountant = PrivacyAccountant()
+        return self._dp_accountant
+
+    def epsilon(self, delta: float = None) -> float:
+        """Epsilon spent so far at ``delta`` (default: the model's ``privacy_delta``)."""
+        return self.accountant.epsilon(self.privacy_delta if delta is None else delta)
+
+    def get_config(self):
+        config = super().get_config()
+        config["tf_dp"] = {"privacy_delta": self.privacy_delta,
+                           "target_epsilon": self.target_epsilon,
+                           "accountant": self.accountant.get_config()}
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        extra = config.pop("tf_dp", None)
+        model = super().from_config(config, custom_objects=custom_objects)
+        if extra:
+            from tf_dp.accounting import PrivacyAccountant
+
+            model.privacy_delta = extra["privacy_delta"]
+            model.target_epsilon = extra["target_epsilon"]
+            model._dp_accountant = PrivacyAccountant.from_config(extra["accountant"])
+        return model
 
     # ------------------------------------------------------------------ compile / fit
 
@@ -75,6 +116,7 @@ class DPTrainMixin:
                     f"`gradient_accumulation_steps` is {k}.")
             self._dp_set_sampling(sampler.expected_micro_batch_size,
                                   sampler.sampling_probability, poisson=True)
+            callbacks = [PrivacyCallback(sampler.sampling_probability)] + list(callbacks or [])
             return super().fit(sampler.dataset(), epochs=epochs, verbose=verbose, shuffle=False,
                                callbacks=callbacks, validation_data=validation_data,
                                steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch * k,
@@ -82,6 +124,9 @@ class DPTrainMixin:
         self._dp_set_sampling(None, None, poisson=False)
         warnings.warn(_FIXED_BATCH_NOTE, stacklevel=2)
         print(_FIXED_BATCH_NOTE)
+        q = _fixed_batch_rate(x, batch_size, validation_split, kwargs.pop("dataset_size", None),
+                              k)
+        callbacks = [PrivacyCallback(q, assumes_poisson=False)] + list(callbacks or [])
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_split=validation_split,
                            validation_data=validation_data, shuffle=shuffle,
@@ -131,6 +176,32 @@ class DPTrainMixin:
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
         self._loss_tracker.update_state(mean_loss, sample_weight=included)
         return self.compute_metrics(x, y, result.y_pred, sample_weight=sample_weight)
+
+
+def _fixed_batch_rate(x, batch_size, validation_split, dataset_size, k):
+    """q = logical batch / N for fixed batches (the accounting then assumes Poisson)."""
+    if isinstance(x, tf.data.Dataset):
+        spec_leaf = tf.nest.flatten(x.element_spec)[0]
+        batch = spec_leaf.shape[0]
+        if batch is None:
+            first = next(iter(x.take(1)))
+            batch = int(tf.nest.flatten(first)[0].shape[0])
+        if dataset_size is None:
+            card = int(x.cardinality())
+            if card <= 0:
+                raise ValueError(
+                    "Cannot tell the data set size from this dataset (unknown or infinite "
+                    "cardinality): pass `dataset_size=N` to fit() so epsilon can be computed.")
+            dataset_size = card * batch
+    else:
+        if not _is_array_like(x):
+            if dataset_size is None or batch_size is None:
+                raise ValueError("For this input type pass `dataset_size=N` and `batch_size` "
+                                 "to fit() so epsilon can be computed.")
+        n = dataset_size or len(tf.nest.flatten(x)[0])
+        dataset_size = int(n * (1.0 - (validation_split or 0.0)))
+        batch = batch_size or 32
+    return min(1.0, batch * k / dataset_size)
 
 
 def _refuse_data_dependent_losses(model):
@@ -204,7 +275,8 @@ class DPSequential(DPTrainMixin, keras.Sequential):
     """A ``keras.Sequential`` that trains with differential privacy (see ``DPModel``)."""
 
 
-def make_private(model: keras.Model) -> keras.Model:
+def make_private(model: keras.Model, delta: float = 1e-5,
+                 target_epsilon: float = None) -> keras.Model:
     """Returns a private version of ``model`` sharing its layers and weights.
 
     Functional and Sequential models become ``DPModel`` / ``DPSequential`` over the same
@@ -213,14 +285,29 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Args:
       model: a Keras model (functional, Sequential or subclassed).
+      delta: the delta at which epsilon is reported in the training logs, in (0, 1).
+      target_epsilon: optional budget; ``fit`` stops before the step that would exceed it.
 
     Raises:
       TypeError: if ``model`` is not a ``keras.Model``.
+      ValueError: if ``delta`` or ``target_epsilon`` is out of range.
     """
-    if isinstance(model, DPTrainMixin):
-        return model
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ValueError(f"`delta` must be in (0, 1), got {delta!r}.")
+    if target_epsilon is not None and not (isinstance(target_epsilon, (int, float))
+                                           and target_epsilon > 0):
+        raise ValueError(f"`target_epsilon` must be > 0, got {target_epsilon!r}.")
+    private = _private_version(model)
+    private.privacy_delta = float(delta)
+    private.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+    return private
+
+
+def _private_version(model):
+    if isinstance(model, DPTrainMixin):
+        return model
     if isinstance(model, keras.Sequential):
         private = DPSequential(model.layers, name=model.name)
         if model.built and not private.built and model.inputs:

@@ -1,0 +1,91 @@
+"""Records every logical private step in the model's accountant; epsilon in the logs."""
+
+from __future__ import annotations
+
+import keras
+
+
+class PrivacyCallback(keras.callbacks.Callback):
+    """Added by ``DPModel.fit`` in front of the user's callbacks (so History and the
+    progress bar see ``epsilon``).
+
+    After every batch it records the logical steps the optimizer took (sigma, q, r); at the
+    end of each epoch it puts ``epsilon`` (at the model's ``privacy_delta``) in the logs.
+    With a ``target_epsilon`` it stops training right after the last step whose epsilon
+    stays within the target, i.e. before the step that would exceed it.
+
+    Args:
+      sampling_probability: q of each logical step.
+      assumes_poisson: False when training on fixed batches (the report says so).
+    """
+
+    def __init__(self, sampling_probability: float, assumes_poisson: bool = True):
+        super().__init__()
+        self.sampling_probability = float(sampling_probability)
+        self.assumes_poisson = assumes_poisson
+        self._recorded = 0
+        self._max_steps = None
+
+    def _mechanism(self):
+        opt = self.model.optimizer
+        return dict(noise_multiplier=opt.noise_multiplier,
+                    sampling_probability=self.sampling_probability,
+                    num_projections=getattr(opt, "num_projections", None))
+
+    def on_train_begin(self, logs=None):
+        self._recorded = int(self.model.optimizer.iterations)
+        target = self.model.target_epsilon
+        self._max_steps = None
+        if target is not None:
+            self._max_steps = max_additional_steps(self.model.accountant, target,
+                                                   self.model.privacy_delta, self._mechanism())
+            if self._max_steps == 0:
+                print(f"tf_dp: the privacy budget (target epsilon {target:g} at delta "
+                      f"{self.model.privacy_delta:g}) is already spent; not training.")
+                self.model.stop_training = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = int(self.model.optimizer.iterations)
+        new = steps - self._recorded
+        if new > 0:
+            self.model.accountant.step(count=new, **self._mechanism())
+            self._recorded = steps
+            if self._max_steps is not None:
+                self._max_steps -= new
+                if self._max_steps <= 0:
+                    print(f"tf_dp: stopping: the next step would exceed the target epsilon "
+                          f"{self.model.target_epsilon:g} at delta "
+                          f"{self.model.privacy_delta:g}.")
+                    self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["epsilon"] = self.model.epsilon()
+
+
+def max_additional_steps(accountant, target_epsilon, delta, mechanism, limit=10**8):
+    """Largest m such that m more steps of ``mechanism`` keep epsilon <= target.
+
+    Epsilon grows with the number of steps, so an exponential search followed by bisection
+    over copies of the accountant finds m with O(log m) epsilon evaluations.
+    """
+
+    def eps_after(m):
+        acc = type(accountant).from_config(accountant.get_config())
+        acc.step(count=m, **mechanism)
+        return acc.epsilon(delta)
+
+    if eps_after(1) > target_epsilon:
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and eps_after(hi) <= target_epsilon:
+        lo, hi = hi, hi * 2
+    if hi >= limit:
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if eps_after(mid) <= target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return lo
