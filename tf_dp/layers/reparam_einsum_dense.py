@@ -208,9 +208,13 @@ class ReparamEinsumDense(ReparamLayer):
         return tf.transpose(tf.reshape(matrix, self._permuted_kernel_shape), inverse)
 
     def call(self, inputs, training=None):
+        # tf.einsum, not ops.einsum: Keras' TF einsum rewrites some equations (e.g.
+        # "abc,cde->abde") into reshape+matmul whose gradients come out wrong under
+        # tf.vectorized_map, which the per-example-gradient fallback relies on.
+        inputs = tf.convert_to_tensor(inputs)
         left, right = self._forward_carriers()
-        x = ops.einsum(self._right_equation, ops.einsum(self._left_equation, inputs, left), right)
-        x = ops.add(x, ops.einsum(self.equation, inputs, self._residual_kernel(left, right)))
+        x = tf.einsum(self._right_equation, tf.einsum(self._left_equation, inputs, left), right)
+        x = ops.add(x, tf.einsum(self.equation, inputs, self._residual_kernel(left, right)))
         if self.bias is not None:
             x = ops.add(x, self.bias)
         if self.activation is not None:
