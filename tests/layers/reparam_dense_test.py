@@ -238,6 +238,25 @@ def test_save_and_load_round_trip(tmp_path):
     np.testing.assert_allclose(loaded(x), model(x), atol=1e-6)
 
 
+def test_protocol_before_build_is_refused():
+    with pytest.raises(ValueError, match="must be built"):
+        ReparamDense(3, rank=1).carrier_variables()
+
+
+def test_mixed_precision_keeps_carriers_and_kernel_gradient_in_float32():
+    layer = ReparamDense(6, rank=2, sparsity=0.5, dtype="mixed_float16")
+    layer.build((None, 8))
+    x = tf.random.stateless_normal([3, 8], seed=[0, 0])
+    with tf.GradientTape() as tape:
+        tape.watch([v.value for v in layer.carrier_variables()])
+        outputs = layer(x)
+        loss = tf.reduce_sum(tf.cast(outputs, tf.float32) ** 2)
+    grad_left, grad_right = tape.gradient(loss, layer.carrier_variables())
+    assert outputs.dtype == tf.float16 and grad_left.dtype == tf.float32
+    grad_kernel = layer.reconstruct_gradient(grad_left, grad_right)
+    assert grad_kernel.dtype == tf.float32 and grad_kernel.shape == layer.kernel.shape
+
+
 def test_config_round_trip():
     layer = ReparamDense(4, activation="relu", use_bias=False, rank=2, sparsity=0.25,
                          power_iterations=2, warmup_steps=5, carrier_init="random", seed=1)

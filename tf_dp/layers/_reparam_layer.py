@@ -164,6 +164,13 @@ class ReparamLayer(keras.layers.Layer):
         return ops.stop_gradient(kernel - tf.cast(self._matrix_as_kernel(low_rank), kernel.dtype))
 
     # ------------------------------------------------------------------ pipeline protocol
+    def _require_built(self, method):
+        if not self.built:
+            raise ValueError(
+                f"Layer '{self.name}' must be built (called once, or part of a built model) "
+                f"before `{method}()`: its carriers are created at build"
+            )
+
     def carrier_variables(self):
         """``[left_carrier, right_carrier]``: non-trainable Keras variables.
 
@@ -171,10 +178,12 @@ class ReparamLayer(keras.layers.Layer):
         backing `tf.Variable`s: ``tape.watch([v.value for v in layer.carrier_variables()])``;
         ``tape.gradient(loss, layer.carrier_variables())`` then returns ``[∂L, ∂R]``.
         """
+        self._require_built("carrier_variables")
         return [self.left_carrier, self.right_carrier]
 
     def noise_masks(self):
         """``[left_mask, right_mask]`` broadcastable to the carriers; all ones without LSG."""
+        self._require_built("noise_masks")
         return [tf.convert_to_tensor(self.left_mask), tf.convert_to_tensor(self.right_mask)]
 
     def reconstruct_gradient(self, grad_left, grad_right):
@@ -183,6 +192,7 @@ class ReparamLayer(keras.layers.Layer):
         ``∂W = ∂L·R + L·∂R − L·Lᵀ·∂L·R`` on the matrix view, mapped back to the kernel layout.
         Uses the current carriers: call it before the next `update_carriers()`.
         """
+        self._require_built("reconstruct_gradient")
         left = self._left_as_matrix(tf.convert_to_tensor(self.left_carrier))
         right = self._right_as_matrix(tf.convert_to_tensor(self.right_carrier))
         grad_left = tf.cast(self._left_as_matrix(grad_left), left.dtype)
@@ -199,6 +209,7 @@ class ReparamLayer(keras.layers.Layer):
         Gaussian, orthonormalised. The Gaussian draws are seeded by ``(seed, carrier_step)``.
         LSG masks are recomputed from the current W. Then ``carrier_step`` is incremented.
         """
+        self._require_built("update_carriers")
         step = tf.convert_to_tensor(self.carrier_step)
         weights = self._kernel_as_matrix(tf.convert_to_tensor(self.kernel))
         history = weights - self._kernel_as_matrix(tf.convert_to_tensor(self.reference_kernel))
