@@ -120,8 +120,9 @@ def test_update_carriers_in_tf_function_keeps_carriers_orthonormal():
 
 def test_save_and_load_round_trip(tmp_path):
     inputs = keras.Input((6, 6, _CHANNELS_IN))
-    outputs = ReparamConv2D(4, 3, strides=2, padding="same", rank=2, sparsity=0.25,
-                            name="rc")(inputs)
+    outputs = ReparamConv2D(4, 3, strides=2, padding="same", rank=2, sparsity=0.25, name="rc")(
+        inputs
+    )
     model = keras.Model(inputs, outputs)
     layer = model.get_layer("rc")
     layer.kernel.assign_add(0.1 * tf.ones_like(layer.kernel))

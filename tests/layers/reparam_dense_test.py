@@ -12,8 +12,9 @@ from tf_dp.layers import ReparamDense, power_method
 
 def _pair(units=6, input_dim=8, rank=3, activation=None, use_bias=True, **reparam_kwargs):
     """A built ReparamDense and a plain Dense holding the same kernel and bias."""
-    layer = ReparamDense(units, activation=activation, use_bias=use_bias, rank=rank,
-                         seed=11, **reparam_kwargs)
+    layer = ReparamDense(
+        units, activation=activation, use_bias=use_bias, rank=rank, seed=11, **reparam_kwargs
+    )
     layer.build((None, input_dim))
     rng = np.random.default_rng(0)
     plain = keras.layers.Dense(units, activation=activation, use_bias=use_bias)
@@ -52,7 +53,11 @@ def test_trainable_weights_mirror_dense_and_extras_are_non_trainable():
         tuple(w.shape) for w in plain.weights
     ]
     assert [w.name for w in layer.non_trainable_weights] == [
-        "reference_kernel", "left_carrier", "right_carrier", "left_mask", "right_mask",
+        "reference_kernel",
+        "left_carrier",
+        "right_carrier",
+        "left_mask",
+        "right_mask",
         "carrier_step",
     ]
     assert all(not v.trainable for v in layer.carrier_variables())
@@ -76,9 +81,7 @@ def test_full_rank_reconstructs_the_plain_gradient(units, input_dim):
     layer, plain = _pair(units=units, input_dim=input_dim, rank=min(units, input_dim))
     x = np.random.default_rng(3).normal(size=(5, input_dim)).astype("float32")
     (grad_left, grad_right, _, _), (grad_w, _) = _carrier_and_plain_grads(layer, plain, x)
-    np.testing.assert_allclose(
-        layer.reconstruct_gradient(grad_left, grad_right), grad_w, atol=1e-4
-    )
+    np.testing.assert_allclose(layer.reconstruct_gradient(grad_left, grad_right), grad_w, atol=1e-4)
 
 
 def test_full_rank_sgd_step_through_carriers_equals_plain_sgd_step():
@@ -136,10 +139,10 @@ def test_update_carriers_uses_weights_in_warmup_then_the_historical_update():
     layer.kernel.assign_add(u @ v)
     update()
     _assert_orthonormal_carriers(layer)
-    np.testing.assert_allclose(np.abs(layer.left_carrier), np.abs(u) / np.linalg.norm(u),
-                               atol=1e-5)
-    np.testing.assert_allclose(np.abs(layer.right_carrier), np.abs(v) / np.linalg.norm(v),
-                               atol=1e-5)
+    np.testing.assert_allclose(np.abs(layer.left_carrier), np.abs(u) / np.linalg.norm(u), atol=1e-5)
+    np.testing.assert_allclose(
+        np.abs(layer.right_carrier), np.abs(v) / np.linalg.norm(v), atol=1e-5
+    )
     assert int(layer.carrier_step) == 2
 
 
@@ -217,8 +220,10 @@ def test_set_weights_from_plain_dense_resets_history():
 
 def test_save_and_load_round_trip(tmp_path):
     model = keras.Sequential(
-        [keras.Input((8,)), ReparamDense(6, rank=2, sparsity=0.5, warmup_steps=1, seed=3,
-                                         name="rd")]
+        [
+            keras.Input((8,)),
+            ReparamDense(6, rank=2, sparsity=0.5, warmup_steps=1, seed=3, name="rd"),
+        ]
     )
     layer = model.get_layer("rd")
     layer.update_carriers()
@@ -258,8 +263,17 @@ def test_mixed_precision_keeps_carriers_and_kernel_gradient_in_float32():
 
 
 def test_config_round_trip():
-    layer = ReparamDense(4, activation="relu", use_bias=False, rank=2, sparsity=0.25,
-                         power_iterations=2, warmup_steps=5, carrier_init="random", seed=1)
+    layer = ReparamDense(
+        4,
+        activation="relu",
+        use_bias=False,
+        rank=2,
+        sparsity=0.25,
+        power_iterations=2,
+        warmup_steps=5,
+        carrier_init="random",
+        seed=1,
+    )
     clone = ReparamDense.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()
 

@@ -21,8 +21,9 @@ _CASES = {
 
 def _pair(case, rank=2, **kwargs):
     equation, output_shape, bias_axes, input_shape, _, _ = _CASES[case]
-    layer = ReparamEinsumDense(equation, output_shape, bias_axes=bias_axes, rank=rank, seed=2,
-                               **kwargs)
+    layer = ReparamEinsumDense(
+        equation, output_shape, bias_axes=bias_axes, rank=rank, seed=2, **kwargs
+    )
     layer.build(input_shape)
     plain = keras.layers.EinsumDense(equation, output_shape, bias_axes=bias_axes)
     plain.build(input_shape)
@@ -100,8 +101,9 @@ def test_lsg_masks_on_the_grouped_axes():
 
 def test_save_and_load_round_trip(tmp_path):
     inputs = keras.Input((5, 6))
-    outputs = ReparamEinsumDense("abc,cde->abde", (None, 3, 4), bias_axes="de", rank=2,
-                                 name="re")(inputs)
+    outputs = ReparamEinsumDense("abc,cde->abde", (None, 3, 4), bias_axes="de", rank=2, name="re")(
+        inputs
+    )
     model = keras.Model(inputs, outputs)
     layer = model.get_layer("re")
     layer.kernel.assign_add(0.1 * tf.ones_like(layer.kernel))

@@ -134,9 +134,9 @@ def test_per_example_carrier_gradients_vectorize():
             loss = tf.reduce_sum(model(xi[None]) ** 2)
         return tape.gradient(loss, carriers)
 
-    vectorized = tf.function(
-        lambda xb: tf.vectorized_map(one, xb, fallback_to_while_loop=False)
-    )(xb)
+    vectorized = tf.function(lambda xb: tf.vectorized_map(one, xb, fallback_to_while_loop=False))(
+        xb
+    )
     looped = [one(xb[i]) for i in range(3)]
     for j, grads in enumerate(vectorized):
         expected = np.stack([looped[i][j].numpy() for i in range(3)])

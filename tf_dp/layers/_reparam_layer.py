@@ -86,8 +86,16 @@ class ReparamLayer(keras.layers.Layer):
         self.seed = int(seed) if seed is not None else random.randint(0, 2**31 - 1)
 
     # ------------------------------------------------------------------ build helpers
-    def _set_matrix_view(self, kernel_shape, input_units_shape, output_units_shape, left_shape,
-                         right_shape, left_mask_shape, right_mask_shape):
+    def _set_matrix_view(
+        self,
+        kernel_shape,
+        input_units_shape,
+        output_units_shape,
+        left_shape,
+        right_shape,
+        left_mask_shape,
+        right_mask_shape,
+    ):
         """Records how the kernel is seen as ``W ∈ R^{m×n}`` and checks `rank` against it."""
         self._kernel_shape = tuple(int(d) for d in kernel_shape)
         self._left_shape = tuple(int(d) for d in left_shape)
@@ -106,7 +114,9 @@ class ReparamLayer(keras.layers.Layer):
     def _build_carriers(self):
         """Creates W0, the carriers, the LSG masks and the step counter (all non-trainable)."""
         self.reference_kernel = self.add_weight(
-            name="reference_kernel", shape=self._kernel_shape, initializer="zeros",
+            name="reference_kernel",
+            shape=self._kernel_shape,
+            initializer="zeros",
             trainable=False,
         )
         self.left_carrier = self.add_weight(
@@ -213,9 +223,7 @@ class ReparamLayer(keras.layers.Layer):
         step = tf.convert_to_tensor(self.carrier_step)
         weights = self._kernel_as_matrix(tf.convert_to_tensor(self.kernel))
         history = weights - self._kernel_as_matrix(tf.convert_to_tensor(self.reference_kernel))
-        use_weights = tf.logical_or(
-            step < self.warmup_steps, tf.reduce_all(tf.equal(history, 0.0))
-        )
+        use_weights = tf.logical_or(step < self.warmup_steps, tf.reduce_all(tf.equal(history, 0.0)))
         self._assign_carriers(tf.where(use_weights, weights, history), step)
         self.carrier_step.assign_add(1)
 

@@ -47,9 +47,7 @@ def top_units_mask(importance: tf.Tensor, num_kept: int) -> tf.Tensor:
     if num_kept >= units:
         return tf.ones_like(importance)
     _, kept = tf.math.top_k(importance, k=num_kept, sorted=False)
-    return tf.scatter_nd(
-        kept[:, tf.newaxis], tf.ones([num_kept], importance.dtype), shape=[units]
-    )
+    return tf.scatter_nd(kept[:, tf.newaxis], tf.ones([num_kept], importance.dtype), shape=[units])
 
 
 def lsg_masks(
