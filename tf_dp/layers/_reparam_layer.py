@@ -113,27 +113,25 @@ class ReparamLayer(keras.layers.Layer):
 
     def _build_carriers(self):
         """Creates W0, the carriers, the LSG masks and the step counter (all non-trainable)."""
-        self.reference_kernel = self.add_weight(
-            name="reference_kernel",
-            shape=self._kernel_shape,
-            initializer="zeros",
-            trainable=False,
-        )
-        self.left_carrier = self.add_weight(
-            name="left_carrier", shape=self._left_shape, initializer="zeros", trainable=False
-        )
-        self.right_carrier = self.add_weight(
-            name="right_carrier", shape=self._right_shape, initializer="zeros", trainable=False
-        )
-        self.left_mask = self.add_weight(
-            name="left_mask", shape=self._left_mask_shape, initializer="ones", trainable=False
-        )
-        self.right_mask = self.add_weight(
-            name="right_mask", shape=self._right_mask_shape, initializer="ones", trainable=False
-        )
-        self.carrier_step = self.add_weight(
-            name="carrier_step", shape=(), dtype="int64", initializer="zeros", trainable=False
-        )
+
+        def state(name, shape, initializer="zeros", dtype=None):
+            # Every replica computes the same values (same W, same seed and step), so under a
+            # tf.distribute strategy the first replica's assignment is the one to keep.
+            return self.add_weight(
+                name=name,
+                shape=shape,
+                initializer=initializer,
+                dtype=dtype,
+                trainable=False,
+                aggregation="only_first_replica",
+            )
+
+        self.reference_kernel = state("reference_kernel", self._kernel_shape)
+        self.left_carrier = state("left_carrier", self._left_shape)
+        self.right_carrier = state("right_carrier", self._right_shape)
+        self.left_mask = state("left_mask", self._left_mask_shape, "ones")
+        self.right_mask = state("right_mask", self._right_mask_shape, "ones")
+        self.carrier_step = state("carrier_step", (), dtype="int64")
         # Valid (orthonormal) carriers from the first call on, even when build runs while a
         # tf.function is being traced.
         with tf.init_scope():
