@@ -96,19 +96,9 @@ CASES = {
 }
 
 
-# tf.vectorized_map over a model with EinsumDense corrupts memory under TF 2.21's oneDNN
-# kernels (garbage norms, NaN or a munmap_chunk crash; exact with TF_ENABLE_ONEDNN_OPTS=0).
-# The ghost path, which tf_dp uses for EinsumDense, is unaffected.
-_ONEDNN_EINSUM = pytest.mark.xfail(
-    os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") != "0",
-    reason="TF 2.21 oneDNN bug in vectorized einsum", strict=False)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("strategy", ["ghost", "vmap"])
-def test_norms_and_clipped_sum_match_brute_force(name, strategy, request):
-    if strategy == "vmap" and name.startswith("einsum"):
-        request.applymarker(_ONEDNN_EINSUM)
+def test_norms_and_clipped_sum_match_brute_force(name, strategy):
     keras.utils.set_random_seed(1)
     build, x = CASES[name]
     model = build()

@@ -18,6 +18,37 @@ import tensorflow as tf
 _log = logging.getLogger("tf_dp")
 
 
+def _einsum_dense_call(layer):
+    def call(inputs, training=None):
+        # Keras' ops.einsum rewrites some equations as reshape + matmul, whose vectorized
+        # gradient is wrong in TF 2.21 (garbage or NaN per-example gradients); tf.einsum
+        # vectorizes correctly.
+        x = tf.einsum(layer.equation, tf.cast(inputs, layer.compute_dtype),
+                      tf.cast(layer.kernel, layer.compute_dtype))
+        if layer.bias is not None:
+            x = x + tf.cast(layer.bias, x.dtype)
+        return layer.activation(x) if layer.activation is not None else x
+    return call
+
+
+@contextlib.contextmanager
+def _vectorizable(model):
+    """Unrolls recurrent layers and routes EinsumDense through tf.einsum while tracing."""
+    patched = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if (type(layer) is keras.layers.EinsumDense and not getattr(layer, "lora_enabled", False)
+                and getattr(layer, "quantization_mode", None) is None
+                and "call" not in layer.__dict__):
+            layer.call = _einsum_dense_call(layer)
+            patched.append(layer)
+    try:
+        with _unrolled_rnns(model):
+            yield
+    finally:
+        for layer in patched:
+            del layer.call
+
+
 @contextlib.contextmanager
 def _unrolled_rnns(model):
     rnns = []
@@ -75,7 +106,7 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
     elems = (x, y, sample_weight) if has_weight else (x, y)
     if mode in ("auto", "vectorize"):
         try:
-            with _unrolled_rnns(model):
+            with _vectorizable(model):
                 return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
         except Exception as err:  # pfor conversion errors surface as many types
             if mode == "vectorize":
