@@ -1,0 +1,202 @@
+"""Private training under tf.distribute.MirroredStrategy on two logical CPUs.
+
+Invariant 1 across replicas: each replica clips its own examples, the clipped sums are
+added across replicas, the sum is divided by the *global* batch size, and the noise
+N(0, sigma^2 C^2) is added once per global (logical) step, not once per replica. So a
+two-replica run must give the weights of a one-device run on the same batches.
+
+Two logical CPU devices must be configured before TensorFlow initialises its runtime, i.e.
+before the first TF op of the process: this module does it at import time. Run this file in
+its own process: under Bazel every test file is its own process, and `pytest -n 2 --dist
+loadfile` (scripts/test.sh) imports every test module at collection before running any
+test, and no test module runs a TF op at import. If TF was nevertheless initialised
+earlier (fewer than two CPU devices at test time), each test re-runs itself in a fresh
+Python process instead of silently testing one replica.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+_CHILD_ENV = "TF_DP_DISTRIBUTE_TEST_CHILD"
+
+
+def _configure_two_logical_cpus():
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    except RuntimeError:
+        pass  # runtime already initialised in this process: see _in_two_cpu_process
+
+
+_configure_two_logical_cpus()
+
+import keras  # noqa: E402  (after the device configuration, on purpose)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tf_dp.core import gaussian_noise  # noqa: E402
+from tf_dp.keras import make_private  # noqa: E402
+from tf_dp.optimizers import DPSGD  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:tf_dp. training on a dataset of fixed")
+
+
+def _in_two_cpu_process(request):
+    """True if this process has two logical CPUs; otherwise runs the test in a child process
+    (asserting that it passes there) and returns False."""
+    if len(tf.config.list_logical_devices("CPU")) >= 2:
+        return True
+    assert os.environ.get(_CHILD_ENV) != "1", "two logical CPUs could not be configured"
+    env = dict(os.environ, **{_CHILD_ENV: "1"})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{os.path.abspath(__file__)}::{request.node.name}",
+         "-q", "-p", "no:cacheprovider"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return False
+
+
+def _steps(model):
+    # Under a strategy the step counter is a MirroredVariable, which int() does not take.
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
+_STRATEGY = []
+
+
+def _strategy():
+    # One MirroredStrategy for the whole process: a second instance restarts the collective
+    # instance keys, and its all-reduces then clash with the first one's ("Shape mismatch in
+    # the collective instance"); plain Keras fails the same way with two strategies.
+    if not _STRATEGY:
+        _STRATEGY.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _STRATEGY[0]
+
+
+def _mlp(seed=0):
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(6, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0.0, 0.7, size=w.shape).astype("float32")
+                       for w in model.weights])
+    return model
+
+
+def _data(n=32, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    return x, y
+
+
+def _train(strategy, opt_fn, fit_fn):
+    scope = strategy.scope() if strategy is not None else _nullscope()
+    with scope:
+        model = make_private(_mlp())
+        model.compile(optimizer=opt_fn(), loss="mse")
+    fit_fn(model)
+    return model
+
+
+class _nullscope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ------------------------------------------------------------------ same weights as one device
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mirrored_fixed_batches_match_one_device(request, k):
+    if not _in_two_cpu_process(request):
+        return
+    x, y = _data()
+    # Clipping active (C below most per-example norms), sigma = 0: the clipped sum is a sum
+    # over examples, whichever replica holds them.
+    opt_fn = lambda: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
+                           momentum=0.9, gradient_accumulation_steps=k)
+    ds = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 8 = global batch
+
+    def fit(model):
+        model.fit(ds(), epochs=2, verbose=0)
+
+    single = _train(None, opt_fn, fit)
+    mirrored = _train(_strategy(), opt_fn, fit)
+    assert mirrored.distribute_strategy.num_replicas_in_sync == 2
+    assert _steps(mirrored) == _steps(single) == 8 // k
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single.get_weights(),
+                                                             _mlp().get_weights()))
+    assert moved > 1e-3
+    for got, want in zip(mirrored.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mirrored_poisson_sampling_matches_one_device(request):
+    if not _in_two_cpu_process(request):
+        return
+    x, y = _data()
+    opt_fn = lambda: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1, seed=7)
+
+    def fit(model):
+        # Poisson batches with expected size 8, drawn from the optimizer's seed.
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+    single = _train(None, opt_fn, fit)
+    mirrored = _train(_strategy(), opt_fn, fit)
+    assert _steps(mirrored) == _steps(single) == 4
+    for got, want in zip(mirrored.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ noise once per global step
+
+
+def _zero_loss(y_true, y_pred):
+    return 0.0 * tf.reduce_sum(y_pred, axis=-1)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mirrored_noise_is_added_once_per_global_step(request, k):
+    if not _in_two_cpu_process(request):
+        return
+    clip, sigma, seed, batch = 1.0, 2.0, 5, 8
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(batch * k, 150)).astype("float32")
+    y = np.zeros((batch * k, 140), np.float32)
+    with _strategy().scope():
+        model = make_private(keras.Sequential([keras.Input((150,)), keras.layers.Dense(140)]))
+        model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
+        model.compile(optimizer=DPSGD(clip, sigma, learning_rate=1.0, seed=seed,
+                                      gradient_accumulation_steps=k), loss=_zero_loss)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    model.fit(ds, epochs=1, verbose=0)  # k micro-batches of 8 = one logical step
+    assert _steps(model) == 1
+    update = np.concatenate([w.ravel() for w in model.get_weights()])
+
+    # Zero gradients: the update is the noise alone, divided by k micro-batches of global
+    # size 8 (k * 8 examples): N(0, (sigma C / (k 8))^2). Twice the noise (once per replica)
+    # would double its variance; the same seed on both replicas would double its std.
+    std = sigma * clip / (k * batch)
+    n = update.size
+    assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std
+    assert abs(update.mean()) < 5 * std / math.sqrt(n)
+    noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+                           sigma * clip, tf.constant([seed, 0], tf.int64))
+    for w, z in zip(model.get_weights(), noise):
+        np.testing.assert_allclose(w, -z.numpy() / (k * batch), rtol=1e-5, atol=1e-7)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
