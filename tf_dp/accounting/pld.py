@@ -1,0 +1,382 @@
+"""Discretised privacy loss distributions (PLDs): construction, FFT composition, queries.
+
+A `LatticePld` is a distribution of the privacy loss L under P on the lattice {kΔ}, plus a mass
+at +∞. The hockey-stick divergence of the pair it represents is
+
+    δ(ε) = P(L = ∞) + Σ_{ℓ > ε} p_ℓ (1 - e^{ε - ℓ})                      (1)
+
+(Koskela, Jälkö, Honkela 2020; Meiser, Mohammadi 2018). Composition of mechanisms adds
+independent losses, i.e. convolves the PMFs, which is done by FFT.
+
+Every PLD here is either *pessimistic* (its δ(ε) upper-bounds the true one for every ε) or
+*optimistic* (lower-bounds it). The two are carried side by side so that each answer comes
+with its numerical error: the true value lies between them.
+
+* Pessimistic one-step PMF: "connect the dots" (Doroshenko, Ghazi, Kamath, Kumar, Manurangsi
+  2022, Algorithm 1): exact δ values at support points ε_j, interpolated linearly in e^ε. Since δ
+  is convex in e^ε, the chords lie above it, and the PMF is a dominating pair.
+* Optimistic one-step PMF: the same construction with values taken from tangent lines,
+  v_j = δ(ε_{j+1}) + e^{ε_{j+1}} Q(L > ε_{j+1}) (1 - e^{-(ε_{j+1} - ε_j)}), i.e. the tangent at
+  ε_{j+1} read at ε_j. Each chord then lies under a tangent, hence under δ: a dominated pair.
+* Truncation keeps the direction: pessimistic PMFs send mass above a cap to +∞ and lift mass below
+  a floor to the floor; optimistic ones lower mass above the cap to the cap and drop mass below
+  the floor (stochastically smaller losses can only lower (1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
+from scipy import fft, signal, special
+
+# Mass of the composed distribution allowed outside the FFT window (added to +∞ when
+# pessimistic), as in dp-accounting's self_convolve.
+TAIL_MASS_TRUNCATION = 1e-15
+
+
+@dataclasses.dataclass(frozen=True)
+class LatticePld:
+    """PMF of the privacy loss on the lattice {kΔ : k = offset, ..., offset + len(probs) - 1}.
+
+    Attributes:
+      discretization: lattice step Δ > 0.
+      offset: lattice index of probs[0].
+      probs: probability masses (non-negative).
+      infinity_mass: P(L = +∞).
+      pessimistic: whether this PMF upper-bounds (True) or lower-bounds (False) δ(ε).
+    """
+
+    discretization: float
+    offset: int
+    probs: np.ndarray
+    infinity_mass: float
+    pessimistic: bool
+
+    @property
+    def size(self) -> int:
+        return int(self.probs.size)
+
+    @property
+    def losses(self) -> np.ndarray:
+        return (self.offset + np.arange(self.size)) * self.discretization
+
+
+def ctd_masses(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float, value_at_inf: float):
+    """Masses of the PLD whose δ, as a function of x = e^ε, interpolates given values linearly.
+
+    The function is f(x) = p_∞ + Σ_j p_j (1 - x e^{-ε_j})_+, piecewise linear in x with kinks at
+    x_j = e^{ε_j}; f(0) = `value_at_zero`, f(x_j) = values[j], f = `value_at_inf` = p_∞ beyond the
+    last point. Its slope jumps by p_j e^{-ε_j} at x_j, which gives (Doroshenko et al. 2022, eq. for
+    Algorithm 1)
+
+        p_j = (v_{j+1} - v_j) / expm1(d_j) + (v_j - v_{j-1}) / expm1(-d_{j-1}),  d_j = ε_{j+1} - ε_j,
+
+    with d_{-1} = d_n = ∞. Negative masses (non-convex input) are returned as they are.
+
+    Args:
+      epsilons: support points, strictly increasing.
+      values: f at the support points.
+      value_at_zero: f(0), the total finite-plus-infinite P-mass.
+      value_at_inf: f beyond the last support point (the mass at +∞).
+
+    Returns:
+      Array of masses p_j.
+    """
+    v = np.concatenate([[value_at_zero], values, [value_at_inf]])
+    gaps = np.diff(epsilons)
+    right = np.empty(values.size)
+    left = np.empty(values.size)
+    # (v_{j+1} - v_j) / expm1(d_j); for the last point d = ∞ gives 0... unless v_{n+1} != v_n
+    with np.errstate(over="ignore"):
+        right[:-1] = (v[2:-1] - v[1:-2]) / np.expm1(gaps)
+    right[-1] = 0.0 if value_at_inf == values[-1] else (value_at_inf - values[-1]) / math.inf
+    left[0] = -(v[1] - v[0])  # (v_1 - v_0) / expm1(-∞)
+    left[1:] = (v[2:-1] - v[1:-2]) / np.expm1(-gaps)
+    return right + left
+
+
+def _convex_chain(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float) -> np.ndarray:
+    """Lower convex hull (in x = e^ε) of the points, as values re-interpolated at every ε.
+
+    Monotone chain: a point is dropped when its connect-the-dots mass with respect to its hull
+    neighbours would be negative. The dropped points take the value of the hull chord, which is
+    below the original value. Works in ε directly (no overflow for large ε).
+    """
+    stack = [-1]  # -1 stands for x = 0 (ε = -∞)
+
+    def expm1(x: float) -> float:
+        return math.expm1(x) if x < 700.0 else math.inf
+
+    def mass(a: int, b: int, c: int) -> float:
+        vb = values[b]
+        va = value_at_zero if a < 0 else values[a]
+        left = -(vb - va) if a < 0 else (vb - va) / expm1(epsilons[a] - epsilons[b])
+        return (values[c] - vb) / expm1(epsilons[c] - epsilons[b]) + left
+
+    for c in range(values.size):
+        while len(stack) >= 2 and mass(stack[-2], stack[-1], c) < 0:
+            stack.pop()
+        stack.append(c)
+    hull = np.array(stack[1:])
+    out = values.copy()
+    for a, c in zip(hull[:-1], hull[1:]):
+        if c - a > 1:
+            mid = np.arange(a + 1, c)
+            lam = np.exp(np.log(-np.expm1(epsilons[a] - epsilons[mid])) + epsilons[mid] - epsilons[c]) / -math.expm1(epsilons[a] - epsilons[c])
+            out[mid] = (1.0 - lam) * values[a] + lam * values[c]
+    if hull.size and hull[0] > 0:
+        mid = np.arange(0, hull[0])
+        lam = np.exp(epsilons[mid] - epsilons[hull[0]])
+        out[mid] = (1.0 - lam) * value_at_zero + lam * values[hull[0]]
+    return np.minimum(out, values)
+
+
+def _lower_convex_values(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float) -> np.ndarray:
+    """Lowers values until their interpolation is convex in e^ε (negative masses ≤ 1e-18 are
+    tolerated: clipping them adds at most ~1e-18 per point)."""
+    p = ctd_masses(epsilons, values, value_at_zero, 0.0)
+    if not (p[:-1] < -1e-18).any():
+        return values
+    return _convex_chain(epsilons, values, value_at_zero)
+
+
+def _dense(k: np.ndarray, masses: np.ndarray) -> np.ndarray:
+    probs = np.zeros(int(k[-1] - k[0]) + 1)
+    np.add.at(probs, k - k[0], masses)
+    return probs
+
+
+def pessimistic_pld(lattice_index: np.ndarray, discretization: float, delta: np.ndarray) -> LatticePld:
+    """Connect-the-dots PLD (an upper bound) from δ upper bounds at lattice points.
+
+    Args:
+      lattice_index: strictly increasing integers k_j; support points ε_j = k_j Δ.
+      discretization: Δ.
+      delta: upper bounds on δ(ε_j). The last one becomes the mass at +∞ (Doroshenko et al. 2022).
+
+    Returns:
+      The lattice PLD, stored densely from k_0 to k_n.
+    """
+    k = np.asarray(lattice_index, dtype=np.int64)
+    eps = k * discretization
+    # A non-increasing envelope of upper bounds is still an upper bound.
+    delta = np.minimum(np.maximum.accumulate(np.asarray(delta)[::-1])[::-1], 1.0)
+    masses = np.maximum(ctd_masses(eps, delta, 1.0, float(delta[-1])), 0.0)  # clipping adds mass
+    return LatticePld(discretization, int(k[0]), _dense(k, masses), float(delta[-1]), True)
+
+
+def optimistic_pld(
+    lattice_index: np.ndarray,
+    discretization: float,
+    delta: np.ndarray,
+    weighted_q_tail: np.ndarray,
+    midpoint_delta: np.ndarray,
+    midpoint_weighted_q_tail: np.ndarray,
+) -> LatticePld:
+    """Tangent-line PLD (a lower bound) from δ lower bounds at lattice points and cell midpoints.
+
+    On the cell [x_j, x_{j+1}] (x = e^ε) the interpolation follows, from below, the tangent of δ
+    at the midpoint m_j = (ε_j + ε_{j+1}) / 2: t_j(x) = δ(m_j) - Q(L > m_j)(x - e^{m_j}). Vertex
+    values are the smaller of the two adjacent cells' tangents, so every chord lies below a
+    tangent, hence below the convex δ. The last vertex is 0 (no mass at +∞).
+
+    Args:
+      lattice_index: strictly increasing integers k_j.
+      discretization: Δ.
+      delta: lower bounds on δ(ε_j).
+      weighted_q_tail: e^{ε_j} Q(L > ε_j).
+      midpoint_delta: lower bounds on δ at the cell midpoints (length n - 1).
+      midpoint_weighted_q_tail: e^{m} Q(L > m) at the midpoints.
+
+    Returns:
+      The lattice PLD.
+    """
+    k = np.asarray(lattice_index, dtype=np.int64)
+    eps = k * discretization
+    half = 0.5 * np.diff(eps)
+    # tangent at m_j read at x_j (left end) and at x_{j+1} (right end)
+    at_left = midpoint_delta + midpoint_weighted_q_tail * -np.expm1(-half)
+    at_right = midpoint_delta - midpoint_weighted_q_tail * np.expm1(half)
+    v = np.asarray(delta, dtype=float).copy()
+    v[:-1] = np.minimum(v[:-1], at_left)
+    v[1:] = np.minimum(v[1:], at_right)
+    v[-1] = 0.0
+    v = np.maximum(v, 0.0)
+    at_zero = min(1.0, float(v[0] + weighted_q_tail[0]))
+    v = _lower_convex_values(eps, v, at_zero)
+    masses = np.maximum(ctd_masses(eps, v, at_zero, 0.0), 0.0)
+    return LatticePld(discretization, int(k[0]), _dense(k, masses), 0.0, False)
+
+
+def truncate(pld: LatticePld, floor_index: Optional[int], cap_index: Optional[int]) -> LatticePld:
+    """Restricts the support to [floor, cap] in the direction-preserving way (module doc)."""
+    probs, offset, inf_mass = pld.probs, pld.offset, pld.infinity_mass
+    if cap_index is not None and offset + probs.size - 1 > cap_index:
+        keep = max(cap_index - offset + 1, 1)
+        above = float(probs[keep:].sum())
+        probs = probs[:keep].copy()
+        if pld.pessimistic:
+            inf_mass += above
+        else:
+            probs[-1] += above
+    if floor_index is not None and offset < floor_index:
+        cut = min(floor_index - offset, probs.size - 1)
+        below = float(probs[:cut].sum())
+        probs = probs[cut:].copy()
+        offset += cut
+        if pld.pessimistic:
+            probs[0] += below
+    return LatticePld(pld.discretization, offset, probs, min(inf_mass, 1.0), pld.pessimistic)
+
+
+def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = signal.fftconvolve(a, b)
+    return np.maximum(out, 0.0)  # FFT round-off; clipping adds at most ~1e-16 per entry
+
+
+def compose(
+    first: LatticePld,
+    second: LatticePld,
+    floor_index: Optional[int] = None,
+    cap_index: Optional[int] = None,
+) -> LatticePld:
+    """PLD of the composition (sum of independent losses), truncated to [floor, cap]."""
+    if first.discretization != second.discretization or first.pessimistic != second.pessimistic:
+        raise ValueError("PLDs to compose must share `discretization` and `pessimistic`.")
+    probs = _convolve(first.probs, second.probs)
+    inf_mass = 1.0 - (1.0 - first.infinity_mass) * (1.0 - second.infinity_mass)
+    out = LatticePld(
+        first.discretization, first.offset + second.offset, probs, inf_mass, first.pessimistic
+    )
+    return truncate(out, floor_index, cap_index)
+
+
+def chernoff_window(probs: np.ndarray, num_times: int, tail_mass: float) -> Tuple[int, int]:
+    """Index window [lo, hi] holding all but `tail_mass` of the num_times-fold convolution.
+
+    Chernoff bound at a few orders, as in dp-accounting's compute_self_convolve_bounds: for t > 0,
+    P(S ≥ b) ≤ exp(n log M(t) - t b); indices relative to num_times * (first index).
+    """
+    n = probs.size
+    upper, lower = (n - 1) * num_times, 0
+    idx = np.arange(n)
+    with np.errstate(divide="ignore"):
+        log_p = np.log(probs)
+    for order in np.concatenate([np.arange(-20, 0), np.arange(1, 21)]) / n:
+        log_mgf = special.logsumexp(idx * order + log_p)
+        bound = (num_times * log_mgf + math.log(2.0 / tail_mass)) / order
+        if not math.isfinite(bound):
+            continue
+        if order > 0:
+            upper = min(upper, math.ceil(bound))
+        else:
+            lower = max(lower, math.floor(bound))
+    return lower, upper
+
+
+def self_compose(
+    pld: LatticePld,
+    num_times: int,
+    floor_index: Optional[int] = None,
+    cap_index: Optional[int] = None,
+    max_window: int = 1 << 22,
+) -> LatticePld:
+    """`num_times`-fold composition of a PLD with itself.
+
+    Light tails: one FFT power over the Chernoff window (mass outside ≤ 1e-15 is aliased back into
+    the window and, for pessimistic PMFs, also counted at +∞ — dp-accounting's approach).
+    Heavy tails (window larger than `max_window`, e.g. the JL mechanism with few projections):
+    binary exponentiation, truncating each product to [floor, cap].
+
+    Args:
+      pld: one-step PLD.
+      num_times: n ≥ 1.
+      floor_index: lattice floor for heavy-tailed composition (None: none).
+      cap_index: lattice cap for heavy-tailed composition (None: none).
+      max_window: largest FFT window for the one-shot power.
+
+    Returns:
+      The composed PLD.
+    """
+    if num_times == 1:
+        return pld
+    probs = pld.probs
+    lo, hi = chernoff_window(probs, num_times, TAIL_MASS_TRUNCATION)
+    if hi - lo + 1 <= max_window:
+        out_len = hi - lo + 1
+        fast_len = fft.next_fast_len(max(out_len, probs.size))
+        spectrum = fft.rfft(probs, fast_len)
+        conv = fft.irfft(spectrum**num_times, fast_len)
+        conv = np.maximum(np.roll(conv, -lo)[:out_len], 0.0)
+        inf_mass = -math.expm1(num_times * math.log1p(-pld.infinity_mass)) if pld.infinity_mass < 1 else 1.0
+        if pld.pessimistic:
+            inf_mass += TAIL_MASS_TRUNCATION
+        out = LatticePld(
+            pld.discretization, pld.offset * num_times + lo, conv, min(inf_mass, 1.0), pld.pessimistic
+        )
+        # Light tails: the window already holds all but 1e-15; no cap (it is for heavy tails).
+        return truncate(out, floor_index, None)
+    if floor_index is None:
+        floor_index = pld.offset * num_times + lo  # Chernoff: the lower tail stays light
+    if cap_index is None:
+        raise ValueError(
+            f"Composition window {hi - lo + 1} exceeds {max_window} and no cap was given."
+        )
+    result = None
+    power = truncate(pld, floor_index, cap_index)
+    n = num_times
+    while n:
+        if n & 1:
+            result = power if result is None else compose(result, power, floor_index, cap_index)
+        n >>= 1
+        if n:
+            power = compose(power, power, floor_index, cap_index)
+    return result
+
+
+def _tail_sums(pld: LatticePld) -> Tuple[np.ndarray, np.ndarray]:
+    """U_k = Σ_{i ≥ k} p_i and W_k = Σ_{i ≥ k} p_i e^{ℓ_k - ℓ_i} (stable reverse recursions)."""
+    rev = pld.probs[::-1]
+    upper = np.cumsum(rev)[::-1]
+    weighted = signal.lfilter([1.0], [1.0, -math.exp(-pld.discretization)], rev)[::-1]
+    return upper, weighted
+
+
+def delta_for_epsilon(pld: LatticePld, epsilons: Union[float, Sequence[float]]) -> np.ndarray:
+    """Hockey-stick divergence (1) at each ε (vectorised, exact for the lattice PMF)."""
+    eps = np.atleast_1d(np.asarray(epsilons, dtype=float))
+    upper, weighted = _tail_sums(pld)
+    d = pld.discretization
+    # first index k with ℓ_k > ε
+    k = np.floor(eps / d).astype(np.float64) + 1 - pld.offset
+    k = np.clip(k, 0, pld.size).astype(np.int64)
+    out = np.full(eps.shape, pld.infinity_mass)
+    inside = k < pld.size
+    kk = k[inside]
+    loss_k = (pld.offset + kk) * d
+    out[inside] += upper[kk] - np.exp(eps[inside] - loss_k) * weighted[kk]
+    return np.clip(out, 0.0, 1.0)
+
+
+def epsilon_for_delta(pld: LatticePld, delta: float) -> float:
+    """Smallest ε ≥ 0 with δ(ε) ≤ delta for the lattice PMF; +∞ if the mass at +∞ exceeds it."""
+    if pld.infinity_mass > delta:
+        return math.inf
+    upper, weighted = _tail_sums(pld)
+    losses = pld.losses
+    # On (ℓ_{k-1}, ℓ_k]: δ(ε) = inf + U_k - e^{ε - ℓ_k} W_k. At the lattice points,
+    # δ(ℓ_j) = inf + U_{j+1} - e^{-Δ} W_{j+1} (and inf at the last point).
+    at_points = np.full(pld.size, pld.infinity_mass)
+    at_points[:-1] += upper[1:] - math.exp(-pld.discretization) * weighted[1:]
+    below = np.nonzero(at_points <= delta)[0]
+    k = int(below[0])
+    if weighted[k] <= 0:
+        return max(0.0, float(losses[k]))
+    excess = pld.infinity_mass + upper[k] - delta
+    if excess <= 0:
+        return max(0.0, float(losses[k - 1])) if k > 0 else 0.0
+    eps = losses[k] + math.log(excess / weighted[k])
+    return max(0.0, float(min(eps, losses[k])))
