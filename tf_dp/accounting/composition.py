@@ -93,22 +93,46 @@ def tail_cap(phase: Phase, delta_floor: float) -> float:
     return float(eps[ok[0]]) if ok.size else MAX_LOSS
 
 
-def _support_indices(k_lo: int, k_hi: int, discretization: float) -> np.ndarray:
-    """Support points: the dense lattice on [-D, D] ∩ [k_lo, k_hi], D = max(1, 2^16 Δ), and
-    lattice points with relative spacing 0.2% outside it (connect-the-dots needs no more there:
-    it stays pessimistic, only slightly looser)."""
+def _support_indices(
+    k_lo: int, k_hi: int, discretization: float, bulk: Tuple[float, float]
+) -> np.ndarray:
+    """Support points of one step's PMF.
+
+    The dense lattice covers the bulk (levels between which all but ~1e-13 of the P-mass lies),
+    clipped to [-D, D] with D = max(1, 2^16 Δ); outside it, lattice points with relative spacing
+    0.2% (connect-the-dots stays pessimistic there, only slightly looser).
+    """
     half = max(1.0, _MAX_DENSE_POINTS / 2 * discretization)
-    d_lo = max(k_lo, math.floor(-half / discretization))
-    d_hi = min(k_hi, math.ceil(half / discretization))
-    parts = [np.arange(d_lo, d_hi + 1), np.array([k_lo, k_hi])]
-    for sign, k_end in ((1, k_hi), (-1, k_lo)):
+    d_lo = max(k_lo, math.floor(max(-half, bulk[0]) / discretization))
+    d_hi = min(k_hi, math.ceil(min(half, bulk[1]) / discretization))
+    parts = [np.arange(d_lo, max(d_hi, d_lo) + 1), np.array([k_lo, k_hi])]
+    for sign, k_edge, k_end in ((1, d_hi, k_hi), (-1, d_lo, k_lo)):
+        start = max(abs(k_edge) * discretization, 16 * discretization)
         end = abs(k_end) * discretization
-        if sign * k_end > half / discretization:
-            n = int(math.ceil(math.log(end / half) / math.log(_GEOMETRIC_RATIO)))
-            levels = half * _GEOMETRIC_RATIO ** np.arange(1, n + 1) / discretization
+        if sign * k_end > sign * k_edge and end > start:
+            n = int(math.ceil(math.log(end / start) / math.log(_GEOMETRIC_RATIO)))
+            levels = start * _GEOMETRIC_RATIO ** np.arange(1, n + 1) / discretization
             parts.append(sign * np.ceil(levels).astype(np.int64))
+            # the gap between the dense edge and the first geometric level, densely
+            parts.append(np.arange(min(k_edge, sign * 16), max(k_edge, sign * 16) + 1))
     k = np.unique(np.concatenate(parts).astype(np.int64))
     return k[(k >= k_lo) & (k <= k_hi)]
+
+
+def _bulk(law, sampling_probability: float, direction: str, lowest: float, top: float):
+    """Loss levels (a, b) with P(L ≤ a) and P(L > b) below ~1e-13, from a coarse probe."""
+    grid = np.geomspace(1e-6, 100.0, 160)
+    probe = np.concatenate([-grid[::-1], [0.0], grid])
+    probe = probe[(probe >= lowest) & (probe <= top)]
+    if probe.size == 0:
+        return lowest, top
+    prof = mechanisms.step_profile(law, probe, sampling_probability, direction)
+    above = prof.delta_lower + prof.weighted_q_tail * np.exp(0.0)  # P(L > ε) = δ + e^ε Q(L > ε)
+    low_ok = np.nonzero(1.0 - above <= 1e-13)[0]
+    high_ok = np.nonzero(above <= 1e-13)[0]
+    a = float(probe[low_ok[-1]]) if low_ok.size else lowest
+    b = float(probe[high_ok[0]]) if high_ok.size else top
+    return a, b
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,7 +152,8 @@ def step_plds(
     top = eps_hi if highest is None else min(eps_hi, highest)
     k_lo = math.floor(lowest / discretization)
     k_hi = max(math.ceil(top / discretization), k_lo + 2)
-    k = _support_indices(k_lo, k_hi, discretization)
+    bulk = _bulk(law, q, direction, lowest, top)
+    k = _support_indices(k_lo, k_hi, discretization, bulk)
     eps = k * discretization
     prof = mechanisms.step_profile(law, eps, q, direction)
     mid = mechanisms.step_profile(law, 0.5 * (eps[1:] + eps[:-1]), q, direction)

@@ -153,9 +153,9 @@ def jl_mu_law(
     noise_multiplier: float,
     num_projections: int,
     mu_saturation: float,
-    num_quantile_panels: int = 48,
-    mu_step: float = 0.2,
-    mu_ratio: float = 1.02,
+    num_quantile_panels: int = 32,
+    mu_step: float = 0.5,
+    mu_ratio: float = 1.05,
 ) -> MuLaw:
     """Quadrature panels for μ = sqrt(r / X) / σ with X ~ χ²_r (Bu et al. 2021, Thm. 4.1).
 
@@ -210,6 +210,13 @@ def jl_mu_law(
     # Dropped empty panels are moved to the top (largest μ): pessimistic.
     mass_above = float(chi2.cdf(_chi2_from_mu(np.array([mu_top]), noise_multiplier, num_projections))[0]) + dropped
     return MuLaw(nodes, kronrod, gauss, mu_bottom, mu_top, mass_below, mass_above)
+
+
+def _log_excess_remove(epsilon: float, q: float) -> float:
+    """A = log((e^ε - (1 - q)) / q) for ε > log(1 - q)."""
+    if q == 1.0:
+        return epsilon
+    return epsilon + math.log1p(-(1.0 - q) * math.exp(-epsilon)) - math.log(q)
 
 
 def _threshold(log_excess: np.ndarray, mu: np.ndarray) -> np.ndarray:
@@ -343,25 +350,34 @@ def step_profile(
     gauss = np.zeros_like(eps)
     weighted = np.zeros_like(eps)
     pruned = np.zeros_like(eps)
-    step = max(1, chunk_size // max(1, law.nodes.size))
-    for start in range(0, eps.size, step):
-        sl = slice(start, start + step)
-        first = 0
-        floor = math.log1p(-q) if q < 1 else -math.inf
-        if direction == "remove" and eps[sl].size and eps[sl][0] > floor:
-            # Nodes with A/μ - μ/2 > 9 at the chunk's smallest ε have δ_μ, σ_μ ≤ q Φ(-9) there and
-            # beyond: skip them, and add that bound (times their mass) to the upper bound.
-            e0 = float(eps[sl][0])
-            a0 = e0 + math.log1p(-(1.0 - q) * math.exp(-e0)) - math.log(q) if q < 1 else e0
-            if a0 > 0:
-                mu_cut = -_Z_TAIL + math.sqrt(_Z_TAIL**2 + 2.0 * a0)
+    floor = math.log1p(-q) if q < 1 else -math.inf
+    cum_kron = np.concatenate([[0.0], np.cumsum(law.kronrod_weights)])
+    cum_gauss = np.concatenate([[0.0], np.cumsum(law.gauss_weights)])
+    start = 0
+    while start < eps.size:
+        first, last = 0, law.nodes.size
+        stop = min(eps.size, start + max(1, chunk_size // max(1, law.nodes.size)))
+        if direction == "remove" and eps[start] > floor:
+            # In the remove direction only μ with |A/μ - μ/2| ≤ 9 matter at level ε: below that
+            # range δ_μ, σ_μ ≤ q Φ(-9) (skipped, the bound goes into the error margin); above it
+            # δ_μ = q and σ_μ ≤ q Φ(-9) (closed form). A chunk of levels shares one node range.
+            stop = min(eps.size, start + 64)
+            a_lo = _log_excess_remove(float(eps[start]), q)
+            a_hi = _log_excess_remove(float(eps[stop - 1]), q)
+            if a_lo > 0:
+                mu_cut = -_Z_TAIL + math.sqrt(_Z_TAIL**2 + 2.0 * a_lo)
                 first = int(np.searchsorted(law.nodes, mu_cut))
-                pruned[sl] = q * _PHI_MINUS_Z_TAIL * law.kronrod_weights[:first].sum()
-        nodes = law.nodes[first:, None]
+            mu_sat = _Z_TAIL + math.sqrt(_Z_TAIL**2 + 2.0 * max(a_hi, 0.0))
+            last = max(first, int(np.searchsorted(law.nodes, mu_sat)))
+        sl = slice(start, stop)
+        nodes = law.nodes[first:last, None]
         d, w = profile_fn(nodes, eps[None, sl], q)
-        kron[sl] = law.kronrod_weights[first:] @ d
-        gauss[sl] = law.gauss_weights[first:] @ d
-        weighted[sl] = law.kronrod_weights[first:] @ w
+        kron[sl] = law.kronrod_weights[first:last] @ d + q * (cum_kron[-1] - cum_kron[last])
+        gauss[sl] = law.gauss_weights[first:last] @ d + q * (cum_gauss[-1] - cum_gauss[last])
+        weighted[sl] = law.kronrod_weights[first:last] @ w
+        outside = cum_kron[first] + cum_kron[-1] - cum_kron[last]
+        pruned[sl] = q * _PHI_MINUS_Z_TAIL * outside
+        start = stop
     error = np.abs(kron - gauss) + pruned
 
     d_inf, w_inf = profile_fn(np.inf, eps, q)

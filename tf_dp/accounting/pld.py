@@ -199,13 +199,23 @@ def optimistic_pld(
     half = 0.5 * np.diff(eps)
     # tangent at m_j read at x_j (left end) and at x_{j+1} (right end)
     at_left = midpoint_delta + midpoint_weighted_q_tail * -np.expm1(-half)
-    at_right = midpoint_delta - midpoint_weighted_q_tail * np.expm1(half)
+    with np.errstate(over="ignore", invalid="ignore"):
+        at_right = midpoint_delta - midpoint_weighted_q_tail * np.expm1(half)
+    at_right = np.where(np.isfinite(at_right), at_right, 0.0)
+    # Where cells are wide (sparse tail) a flat chord at δ(ε_{j+1}) is tighter than the tangent
+    # and is also below δ on the cell (δ is decreasing). Per cell, keep the better of the two.
+    flat = np.asarray(delta, dtype=float)[1:]
+    use_flat = 2.0 * flat > at_left + at_right
+    at_left = np.where(use_flat, flat, at_left)
+    at_right = np.where(use_flat, flat, at_right)
     v = np.asarray(delta, dtype=float).copy()
     v[:-1] = np.minimum(v[:-1], at_left)
     v[1:] = np.minimum(v[1:], at_right)
     v[-1] = 0.0
     v = np.maximum(v, 0.0)
-    at_zero = min(1.0, float(v[0] + weighted_q_tail[0]))
+    # ε_0 is at or below the smallest loss (up to ~1e-19 of P-mass), where δ is linear in e^ε:
+    # the chord from (0, 1) to (x_0, v_0 ≤ δ(x_0)) lies below δ.
+    at_zero = 1.0
     v = _lower_convex_values(eps, v, at_zero)
     masses = np.maximum(ctd_masses(eps, v, at_zero, 0.0), 0.0)
     return LatticePld(discretization, int(k[0]), _dense(k, masses), 0.0, False)

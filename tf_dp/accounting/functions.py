@@ -1,0 +1,241 @@
+"""Functional API: ε, δ, calibration of σ and of the number of steps, RDP and GDP comparisons."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from scipy import special
+
+from tf_dp.accounting import _validation, composition
+from tf_dp.accounting.accountant import PrivacyAccountant
+
+_SIGMA_MIN, _SIGMA_MAX = 1e-2, 1e3
+
+
+def _accountant(noise_multiplier, sampling_probability, steps, num_projections) -> PrivacyAccountant:
+    sigma = _validation.noise_multiplier(noise_multiplier)
+    q = _validation.sampling_probability(sampling_probability)
+    n = _validation.steps(steps)
+    r = _validation.num_projections(num_projections)
+    acc = PrivacyAccountant()
+    if n > 0:
+        acc.step(sigma, q, r, count=n)
+    return acc
+
+
+def compute_epsilon(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    num_projections: Optional[int] = None,
+) -> float:
+    """ε of `steps` steps of (JL-)DP-SGD with Poisson sampling, at δ (pessimistic f-DP accounting).
+
+    Args:
+      noise_multiplier: σ ≥ 0; σ = 0 gives ε = ∞.
+      sampling_probability: q in (0, 1].
+      steps: number of steps ≥ 0.
+      delta: δ in (0, 1).
+      num_projections: None (exact clipping) or the number r ≥ 1 of JL projections
+        (Bu et al. 2021). Small r gives very large ε, or ∞ when no finite ε is certifiable.
+
+    Returns:
+      ε (a float, possibly math.inf).
+    """
+    acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
+    return acc.epsilon(_validation.delta(delta))
+
+
+def compute_delta(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    epsilon: float,
+    num_projections: Optional[int] = None,
+) -> float:
+    """δ at a given ε for `steps` steps of (JL-)DP-SGD (pessimistic f-DP accounting)."""
+    acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
+    return acc.delta(_validation.epsilon(epsilon))
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sampling_probability: float,
+    steps: int,
+    num_projections: Optional[int] = None,
+    relative_tolerance: float = 1e-3,
+) -> float:
+    """Smallest σ (up to `relative_tolerance`) whose run satisfies (target_epsilon, δ)-DP.
+
+    Bisection in log σ (ε decreases in σ); the returned σ is the upper end of the final bracket,
+    verified to reach the target.
+
+    Raises:
+      ValueError: bad arguments, or no σ ≤ 1000 reaches the target.
+    """
+    target = _validation.positive_epsilon(target_epsilon)
+    delta = _validation.delta(delta)
+    q = _validation.sampling_probability(sampling_probability)
+    n = _validation.steps(steps)
+    r = _validation.num_projections(num_projections)
+    if n == 0:
+        return 0.0
+
+    def eps(sigma: float) -> float:
+        return _accountant(sigma, q, n, r).epsilon_bounds(delta).upper
+
+    lo, hi = _SIGMA_MIN, 1.0
+    while eps(hi) > target:
+        lo, hi = hi, hi * 4.0
+        if hi > _SIGMA_MAX:
+            raise ValueError(
+                f"No `noise_multiplier` <= {_SIGMA_MAX} reaches `target_epsilon`={target} at "
+                f"`delta`={delta} (num_projections={r})."
+            )
+    if hi == 1.0:
+        while lo < hi and eps(lo) <= target:
+            hi, lo = lo, lo / 4.0
+            if lo < 1e-4:
+                return hi
+    while hi / lo > 1.0 + relative_tolerance:
+        mid = math.sqrt(lo * hi)
+        if eps(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def compute_max_steps(
+    noise_multiplier: float,
+    sampling_probability: float,
+    target_epsilon: float,
+    delta: float,
+    num_projections: Optional[int] = None,
+    max_steps: int = 10**7,
+) -> int:
+    """Largest number of steps whose run satisfies (target_epsilon, δ)-DP (ε increases in steps).
+
+    Returns 0 if even one step exceeds the budget; `max_steps` if that many still fit.
+    """
+    target = _validation.positive_epsilon(target_epsilon)
+    delta = _validation.delta(delta)
+
+    def fits(n: int) -> bool:
+        acc = _accountant(noise_multiplier, sampling_probability, n, num_projections)
+        return acc.epsilon_bounds(delta).upper <= target
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi >= max_steps:
+            return max_steps if fits(max_steps) else _bisect_steps(fits, lo, max_steps)
+    return _bisect_steps(fits, lo, hi)
+
+
+def _bisect_steps(fits, lo: int, hi: int) -> int:
+    """Largest n in [lo, hi) with fits(n), given fits(lo) and not fits(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def rdp_epsilon_for_phases(phases: Sequence[composition.Phase], delta: float) -> float:
+    """RDP-based ε (Mironov, Talwar, Zhang 2019 via dp-accounting), for comparison only.
+
+    The JL mechanism has infinite Rényi divergence of every order (its privacy loss has a
+    power-law tail), so any JL phase gives ∞.
+    """
+    delta = _validation.delta(delta)
+    if any(p.num_projections is not None or p.noise_multiplier == 0 for p in phases):
+        return math.inf
+    if not phases:
+        return 0.0
+    import dp_accounting  # local: heavy import, only for this comparison
+    from dp_accounting import rdp
+
+    acc = rdp.RdpAccountant()
+    for p in phases:
+        event = dp_accounting.PoissonSampledDpEvent(
+            p.sampling_probability, dp_accounting.GaussianDpEvent(p.noise_multiplier)
+        )
+        acc.compose(event, p.count)
+    return float(acc.get_epsilon(delta))
+
+
+def compute_rdp_epsilon(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    num_projections: Optional[int] = None,
+) -> float:
+    """RDP-based ε for comparison (∞ for the JL mechanism: its RDP is infinite at every order)."""
+    acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
+    return rdp_epsilon_for_phases(acc.phases, delta)
+
+
+class GDPNotApplicableError(ValueError):
+    """The central-limit μ-GDP approximation is not valid for this mechanism."""
+
+
+def gdp_mu_for_phases(phases: Sequence[composition.Phase]) -> float:
+    """μ = sqrt(Σ_i T_i q_i² (e^{1/σ_i²} - 1)) (Bu, Dong, Long, Su 2020, Thm. 5 / Dong et al. 2022).
+
+    Raises:
+      GDPNotApplicableError: for JL phases. Their privacy loss has a power-law tail (P(μ > m)
+        ~ m^{-r}); the CLT misses that tail and would report a far too small ε.
+    """
+    if any(p.num_projections is not None for p in phases):
+        raise GDPNotApplicableError(
+            "μ-GDP via the central limit theorem is not valid for the JL mechanism "
+            "(`num_projections` set): its random sensitivity sqrt(r/χ²_r) gives the privacy loss a "
+            "power-law tail that the CLT ignores. Use the numerical accountant (epsilon/delta)."
+        )
+    total = 0.0
+    for p in phases:
+        if p.noise_multiplier == 0:
+            return math.inf
+        total += p.count * p.sampling_probability**2 * math.expm1(p.noise_multiplier**-2)
+    return math.sqrt(total)
+
+
+def compute_gdp_mu(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    num_projections: Optional[int] = None,
+) -> float:
+    """CLT μ-GDP parameter of Gaussian DP-SGD; refuses the JL mechanism (see gdp_mu_for_phases)."""
+    acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
+    return gdp_mu_for_phases(acc.phases)
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """δ(ε) of μ-GDP: Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) (Dong, Roth, Su 2022, Cor. 2.13)."""
+    if mu == 0:
+        return 0.0
+    return float(special.ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon) * special.ndtr(-epsilon / mu - mu / 2))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest ε with gdp_delta(mu, ε) ≤ δ (bisection)."""
+    delta = _validation.delta(delta)
+    if gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while gdp_delta(mu, hi) > delta:
+        lo, hi = hi, 2 * hi
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gdp_delta(mu, mid) > delta else (lo, mid)
+    return hi
