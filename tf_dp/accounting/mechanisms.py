@@ -131,7 +131,8 @@ def gaussian_mu_law(noise_multiplier: float) -> MuLaw:
 
 
 def _mu_from_chi2(x: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:
-    return np.sqrt(num_projections / x) / noise_multiplier
+    with np.errstate(divide="ignore"):  # X = 0 is μ = ∞
+        return np.sqrt(num_projections / x) / noise_multiplier
 
 
 def _chi2_from_mu(mu: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:

@@ -1,0 +1,185 @@
+"""Accountant API: values against dp-accounting and prv-accountant, monotonicity, bad input."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tf_dp import accounting
+from tf_dp.accounting import composition, pld
+
+Q, SIGMA, STEPS, DELTA = 256 / 60000, 1.1, 14062, 1e-5
+
+
+def test_import_does_not_load_tensorflow():
+    code = "import sys, tf_dp.accounting; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_gaussian_matches_dp_accounting_fine_pld():
+    from dp_accounting.pld import privacy_loss_distribution as dpl
+
+    ref = (
+        dpl.from_gaussian_mechanism(SIGMA, sampling_prob=Q, value_discretization_interval=3e-5)
+        .self_compose(STEPS)
+        .get_epsilon_for_delta(DELTA)
+    )
+    ours = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    assert ours >= ref - 1e-3  # pessimistic
+    assert ours == pytest.approx(ref, rel=1e-2)
+
+
+def test_gaussian_inside_prv_bounds():
+    from prv_accountant import PRVAccountant
+    from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
+
+    prv = PRVAccountant(
+        prvs=PoissonSubsampledGaussianMechanism(noise_multiplier=SIGMA, sampling_probability=Q),
+        max_self_compositions=STEPS,
+        eps_error=0.01,
+        delta_error=1e-10,
+    )
+    low, _, up = prv.compute_epsilon(delta=DELTA, num_self_compositions=STEPS)
+    ours = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    assert low <= ours <= up
+
+
+def test_delta_and_epsilon_are_consistent():
+    eps = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    d = accounting.compute_delta(SIGMA, Q, STEPS, eps)
+    assert d <= DELTA * 1.02
+    assert accounting.compute_delta(SIGMA, Q, STEPS, eps - 0.05) > DELTA
+
+
+def test_rdp_and_gdp_comparisons():
+    eps = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    assert accounting.compute_rdp_epsilon(SIGMA, Q, STEPS, DELTA) > eps  # RDP is looser
+    mu = accounting.compute_gdp_mu(SIGMA, Q, STEPS)
+    assert mu == pytest.approx(Q * math.sqrt(STEPS * math.expm1(SIGMA**-2)))
+    assert accounting.compute_rdp_epsilon(SIGMA, Q, STEPS, DELTA, num_projections=5) == math.inf
+    with pytest.raises(accounting.GDPNotApplicableError, match="JL mechanism"):
+        accounting.compute_gdp_mu(SIGMA, Q, STEPS, num_projections=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(noise_multiplier=0.9),
+        dict(sampling_probability=0.02),
+        dict(steps=600),
+    ],
+)
+def test_monotone_in_sigma_q_steps(kwargs):
+    base = dict(noise_multiplier=1.0, sampling_probability=0.01, steps=300, delta=DELTA)
+    worse = dict(base, **kwargs)
+    assert accounting.compute_epsilon(**worse) > accounting.compute_epsilon(**base)
+
+
+def test_heterogeneous_equal_phases_equal_single_phase():
+    phases = [composition.Phase(1.0, 0.01, None, 100), composition.Phase(1.0, 0.01, None, 200)]
+    single = [composition.Phase(1.0, 0.01, None, 300)]
+    q = lambda p: pld.epsilon_for_delta(p, DELTA)  # noqa: E731
+    tol = lambda u: 2e-3  # noqa: E731
+    a = composition.refine(phases, 1e-7, q, max, tol, discretization=2e-4)
+    b = composition.refine(single, 1e-7, q, max, tol, discretization=2e-4)
+    # equal up to discretisation (per-phase tail cuts differ): far below the 5e-3 tolerance
+    assert a.upper == pytest.approx(b.upper, abs=1e-4)
+    assert a.lower <= b.upper and b.lower <= a.upper
+    phases_jl = [composition.Phase(1.0, 0.01, 20, 100), composition.Phase(1.0, 0.01, 20, 200)]
+    single_jl = [composition.Phase(1.0, 0.01, 20, 300)]
+    a = composition.refine(phases_jl, 1e-7, q, max, tol, discretization=1e-3)
+    b = composition.refine(single_jl, 1e-7, q, max, tol, discretization=1e-3)
+    assert a.upper == pytest.approx(b.upper, rel=1e-3)
+
+
+def test_heterogeneous_schedule_between_its_phases():
+    acc = accounting.PrivacyAccountant()
+    acc.step(1.0, 0.01, count=150).step(1.0, 0.02, count=150)
+    low = accounting.compute_epsilon(1.0, 0.01, 300, DELTA)
+    high = accounting.compute_epsilon(1.0, 0.02, 300, DELTA)
+    assert low < acc.epsilon(DELTA) < high
+
+
+def test_jl_decreasing_in_r_and_converges_to_gaussian():
+    kw = dict(noise_multiplier=1.0, sampling_probability=0.01, steps=1000, delta=DELTA)
+    eps = [accounting.compute_epsilon(num_projections=r, **kw) for r in (5, 10, 100)]
+    gauss = accounting.compute_epsilon(**kw)
+    assert eps[0] > eps[1] > eps[2] > gauss
+    assert accounting.compute_epsilon(num_projections=10**6, **kw) == pytest.approx(gauss, rel=1e-2)
+
+
+def test_jl_one_projection_has_no_finite_epsilon():
+    assert accounting.compute_epsilon(1.0, 0.01, 1000, DELTA, num_projections=1) == math.inf
+
+
+def test_zero_noise_is_infinite():
+    assert accounting.compute_epsilon(0.0, 0.01, 10, DELTA) == math.inf
+    assert accounting.compute_delta(0.0, 0.01, 10, 5.0) == 1.0
+
+
+def test_zero_steps_is_zero():
+    assert accounting.compute_epsilon(1.0, 0.01, 0, DELTA) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(sampling_probability=0.0), "sampling_probability"),
+        (dict(sampling_probability=1.5), "sampling_probability"),
+        (dict(steps=-3), "steps"),
+        (dict(steps=2.5), "steps"),
+        (dict(delta=0.0), "delta"),
+        (dict(delta=1.0), "delta"),
+        (dict(num_projections=0), "num_projections"),
+        (dict(num_projections=2.5), "num_projections"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, name):
+    args = dict(noise_multiplier=1.0, sampling_probability=0.01, steps=10, delta=DELTA)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        accounting.compute_epsilon(**args)
+
+
+def test_bad_epsilon_names_the_argument():
+    with pytest.raises(ValueError, match="`epsilon`"):
+        accounting.compute_delta(1.0, 0.01, 10, -1.0)
+    with pytest.raises(ValueError, match="`count`"):
+        accounting.PrivacyAccountant().step(1.0, 0.01, count=0)
+
+
+def test_config_round_trip_keeps_spent_budget():
+    acc = accounting.PrivacyAccountant()
+    acc.step(1.0, 0.01, count=100).step(1.2, 0.02, num_projections=50, count=30)
+    config = json.loads(json.dumps(acc.get_config()))
+    restored = accounting.PrivacyAccountant.from_config(config)
+    assert restored.phases == acc.phases
+    assert restored.epsilon(DELTA) == acc.epsilon(DELTA)
+
+
+def test_tradeoff_curve_is_valid_and_below_identity():
+    acc = accounting.PrivacyAccountant().step(1.0, 0.05, count=100)
+    alphas = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0]
+    betas = acc.tradeoff_curve(alphas)
+    assert all(0.0 <= b <= 1.0 - a + 1e-12 for a, b in zip(alphas, betas))
+    assert all(b1 >= b2 for b1, b2 in zip(betas[:-1], betas[1:]))
+
+
+def test_calibrate_noise_multiplier_reaches_target():
+    sigma = accounting.calibrate_noise_multiplier(2.0, DELTA, 0.01, 500)
+    assert accounting.compute_epsilon(sigma, 0.01, 500, DELTA) <= 2.0
+    assert accounting.compute_epsilon(sigma * 0.98, 0.01, 500, DELTA) > 2.0
+
+
+def test_compute_max_steps_is_largest_within_budget():
+    n = accounting.compute_max_steps(1.0, 0.01, 1.0, DELTA)
+    assert accounting.compute_epsilon(1.0, 0.01, n, DELTA) <= 1.0
+    assert accounting.compute_epsilon(1.0, 0.01, n + 1, DELTA) > 1.0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
