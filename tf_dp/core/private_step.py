@@ -14,9 +14,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tf_dp.core import ghost, vmap
+from tf_dp.core import ghost, jl, vmap
 
-NORM_STRATEGIES = ("auto", "ghost", "vmap")
+NORM_STRATEGIES = ("auto", "ghost", "vmap", "jl")
 
 
 @dataclasses.dataclass
@@ -58,7 +58,8 @@ def _check_no_cross_example_layers(model):
 
 
 def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
-                variables=None, norm_strategy: str = "auto") -> ClippedSum:
+                variables=None, norm_strategy: str = "auto", num_projections: int = None,
+                seed=None) -> ClippedSum:
     """Clips every example's gradient to ``l2_norm_clip`` and sums them.
 
     Args:
@@ -68,13 +69,19 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
       l2_norm_clip: the clipping norm C.
       variables: variables to privatize (default: ``model.trainable_variables``).
       norm_strategy: "auto" (ghost formulas where registered, vectorized fallback for the
-        rest), "ghost" (error if any variable lacks a formula) or "vmap" (vectorized for all).
+        rest), "ghost" (error if any variable lacks a formula), "vmap" (vectorized for all)
+        or "jl" (norms estimated by ``num_projections`` JL projections; Bu et al. 2021).
+      num_projections: r, for norm_strategy="jl".
+      seed: (2,) int seed of the JL directions (norm_strategy="jl").
     """
     if norm_strategy not in NORM_STRATEGIES:
         raise ValueError(f"`norm_strategy` must be one of {NORM_STRATEGIES}, got "
                          f"{norm_strategy!r}.")
     _check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
+    if norm_strategy == "jl":
+        return _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                               variables, num_projections, seed)
     if norm_strategy == "vmap":
         return _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                  variables)
@@ -128,6 +135,28 @@ def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip
     w = clip_factors(norms, l2_norm_clip)
     grads = [tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype)
              for g, v in zip(per_ex, variables)]
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+
+
+def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables,
+                    num_projections, seed):
+    if not isinstance(num_projections, int) or num_projections < 1:
+        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
+    if seed is None:
+        raise ValueError("norm_strategy='jl' needs a `seed` for its projections.")
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    with tape:
+        tape.watch([v.value if hasattr(v, "value") else v for v in variables])
+    losses, y_pred, projections = jl.jl_forward(model, per_example_loss, x, y, sample_weight,
+                                                variables, num_projections, seed, tape)
+    norms = jl.jl_norms(projections)
+    w = clip_factors(norms, l2_norm_clip)
+    with tape:
+        # One backward pass of sum_i l_i / max(1, M_i / C) gives the clipped sum.
+        weighted = tf.reduce_sum(w * losses)
+    grads = tape.gradient(weighted, [v.value if hasattr(v, "value") else v for v in variables],
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = [tf.cast(tf.convert_to_tensor(g), v.dtype) for g, v in zip(grads, variables)]
     return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
 
 

@@ -12,18 +12,17 @@ import tensorflow as tf
 class PoissonSampler:
     """Batches in which every example is included independently with probability q.
 
-    Each logical batch is one Poisson sample of the data set; with gradient accumulation it
-    is split into ``accumulation_steps`` disjoint micro-batches, so no example can appear
-    twice in one logical step. Batch sizes vary (the batch axis is ``None``, so Keras traces
-    the train step once); ``pad_to`` pads every micro-batch to a static size with sample
-    weight 0 for XLA or other static-shape needs, and raises if a sample ever exceeds it.
+    Each element is one logical batch, a Poisson sample of the data set (with gradient
+    accumulation the private train step splits it into disjoint micro-batches, so no
+    example appears twice in one logical step). Batch sizes vary (the batch axis is ``None``,
+    so Keras traces the train step once); ``pad_to`` pads every batch to a static size with
+    sample weight 0 for XLA or other static-shape needs, and raises if a sample exceeds it.
 
     Args:
       x, y, sample_weight: arrays (or nested structures of arrays) with N examples.
       expected_batch_size: expected logical batch size q*N (give this or
         ``sampling_probability``).
       sampling_probability: q in (0, 1].
-      accumulation_steps: micro-batches per logical batch (>= 1).
       steps_per_epoch: logical steps per epoch; default round(1/q).
       pad_to: optional static micro-batch size (examples beyond it raise an error).
       seed: int seed; None draws a secret one from the OS.
@@ -33,8 +32,7 @@ class PoissonSampler:
     """
 
     def __init__(self, x, y=None, sample_weight=None, expected_batch_size=None,
-                 sampling_probability=None, accumulation_steps=1, steps_per_epoch=None,
-                 pad_to=None, seed=None):
+                 sampling_probability=None, steps_per_epoch=None, pad_to=None, seed=None):
         leaves = [np.asarray(a) for a in tf.nest.flatten(x)]
         if not leaves:
             raise ValueError("`x` is empty.")
@@ -57,16 +55,11 @@ class PoissonSampler:
                 and 0 < sampling_probability <= 1):
             raise ValueError(f"`sampling_probability` must be in (0, 1], got "
                              f"{sampling_probability!r} (expected batch size / dataset size).")
-        if isinstance(accumulation_steps, bool) or not isinstance(
-                accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"`accumulation_steps` must be an integer >= 1, got "
-                             f"{accumulation_steps!r}.")
         if pad_to is not None and (not isinstance(pad_to, int) or pad_to < 1):
             raise ValueError(f"`pad_to` must be a positive integer, got {pad_to!r}.")
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.dataset_size = n
         self.sampling_probability = float(sampling_probability)
-        self.accumulation_steps = accumulation_steps
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
         self.pad_to = pad_to
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
@@ -76,35 +69,21 @@ class PoissonSampler:
         """q * N: the denominator of the private mean, never the realised size."""
         return self.sampling_probability * self.dataset_size
 
-    @property
-    def expected_micro_batch_size(self) -> float:
-        return self.expected_batch_size / self.accumulation_steps
-
     def dataset(self, num_steps=None) -> tf.data.Dataset:
-        """Micro-batches ``(x, y[, sample_weight])``; endless unless ``num_steps`` is given."""
-        n, q, k = self.dataset_size, self.sampling_probability, self.accumulation_steps
+        """Batches ``(x, y[, sample_weight])``; endless unless ``num_steps`` is given."""
+        n, q = self.dataset_size, self.sampling_probability
         data = tf.nest.map_structure(lambda a: None if a is None else tf.constant(np.asarray(a)),
                                      (self.x, self.y, self.sample_weight))
-        seed = self.seed
-        pad_to = self.pad_to
+        seed, pad_to = self.seed, self.pad_to
 
         def logical(step):
             u = tf.random.stateless_uniform([n], seed=tf.stack([tf.cast(seed, tf.int64), step]))
             idx = tf.cast(tf.where(u < q)[:, 0], tf.int32)
-            size = tf.shape(idx)[0]
-            bounds = [(j * size) // k for j in range(k + 1)]
-
-            def chunk(j):
-                lo = tf.gather(tf.stack(bounds), j)
-                hi = tf.gather(tf.stack(bounds), j + 1)
-                part = idx[lo:hi]
-                return _gather(data, part, pad_to)
-
-            return tf.data.Dataset.range(k).map(chunk)
+            return _gather(data, idx, pad_to)
 
         steps = tf.data.Dataset.range(num_steps) if num_steps is not None else (
             tf.data.Dataset.range(2**62))
-        return steps.flat_map(logical).prefetch(2)
+        return steps.map(logical).prefetch(2)
 
 
 def _gather(data, part, pad_to):
@@ -115,11 +94,17 @@ def _gather(data, part, pad_to):
     if pad_to is None:
         return (xb, yb) if swb is None else (xb, yb, swb)
     m = tf.shape(part)[0]
-    tf.debugging.assert_less_equal(
+    check = tf.debugging.assert_less_equal(
         m, pad_to, message="tf_dp: a Poisson batch exceeded `pad_to`; raise `pad_to`.")
+    with tf.control_dependencies([check]):
+        m = tf.identity(m)
     weight = tf.ones([m], tf.float32) if swb is None else swb
-    pad = lambda a: tf.concat([a, tf.zeros(tf.concat([[pad_to - m], tf.shape(a)[1:]], 0),
-                                            a.dtype)], axis=0)
+
+    def pad(a):
+        padded = tf.concat([a, tf.zeros(tf.concat([[pad_to - m], tf.shape(a)[1:]], 0), a.dtype)],
+                           axis=0)
+        return tf.ensure_shape(padded, [pad_to] + a.shape[1:].as_list())
+
     xb = tf.nest.map_structure(pad, xb)
     yb = tf.nest.map_structure(lambda a: None if a is None else pad(a), yb)
     return xb, yb, pad(weight)

@@ -46,8 +46,20 @@ class DPTrainMixin:
         return self._dp_accountant
 
     def epsilon(self, delta: float = None) -> float:
-        """Epsilon spent so far at ``delta`` (default: the model's ``privacy_delta``)."""
-        return self.accountant.epsilon(self.privacy_delta if delta is None else delta)
+        """Epsilon spent so far at ``delta`` (default: the model's ``privacy_delta``).
+
+        When the accountant cannot reach its stated accuracy (very small JL ``r``), the
+        returned value is its valid but looser upper bound, with a warning.
+        """
+        from tf_dp.accounting import AccuracyError
+
+        delta = self.privacy_delta if delta is None else delta
+        try:
+            return self.accountant.epsilon(delta)
+        except AccuracyError as err:
+            warnings.warn(f"tf_dp: epsilon could not be computed to the accountant's accuracy; "
+                          f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=2)
+            return float(err.upper)
 
     def get_config(self):
         config = super().get_config()
@@ -105,28 +117,25 @@ class DPTrainMixin:
                 (x, y, sample_weight), validation_data = _split_validation(
                     x, y, sample_weight, validation_split)
                 validation_split = 0.0
+            # Keras semantics: `batch_size` is one micro-batch; a logical batch is k of them.
             sampler = PoissonSampler(x, y, sample_weight=sample_weight,
-                                     expected_batch_size=batch_size or 32,
-                                     accumulation_steps=k, seed=opt.seed)
+                                     expected_batch_size=(batch_size or 32) * k, seed=opt.seed)
         if sampler is not None:
-            if sampler.accumulation_steps != k:
-                raise ValueError(
-                    f"The PoissonSampler splits each logical batch into "
-                    f"{sampler.accumulation_steps} micro-batches but the optimizer's "
-                    f"`gradient_accumulation_steps` is {k}.")
-            self._dp_set_sampling(sampler.expected_micro_batch_size,
-                                  sampler.sampling_probability, poisson=True)
+            self._dp_set_sampling(sampler.expected_batch_size, sampler.sampling_probability,
+                                  poisson=True)
             callbacks = [PrivacyCallback(sampler.sampling_probability)] + list(callbacks or [])
             return super().fit(sampler.dataset(), epochs=epochs, verbose=verbose, shuffle=False,
                                callbacks=callbacks, validation_data=validation_data,
-                               steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch * k,
+                               steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch,
                                **kwargs)
         self._dp_set_sampling(None, None, poisson=False)
         warnings.warn(_FIXED_BATCH_NOTE, stacklevel=2)
         print(_FIXED_BATCH_NOTE)
-        q = _fixed_batch_rate(x, batch_size, validation_split, kwargs.pop("dataset_size", None),
-                              k)
+        q = _fixed_batch_rate(x, batch_size and batch_size * k, validation_split,
+                              kwargs.pop("dataset_size", None))
         callbacks = [PrivacyCallback(q, assumes_poisson=False)] + list(callbacks or [])
+        if batch_size is not None:
+            batch_size = batch_size * k  # each Keras batch is one logical batch
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_split=validation_split,
                            validation_data=validation_data, shuffle=shuffle,
@@ -143,19 +152,26 @@ class DPTrainMixin:
     # ------------------------------------------------------------------ the private step
 
     def train_step(self, data):
+        """One logical private step on ``data`` (a logical batch).
+
+        With ``gradient_accumulation_steps = k`` the batch is processed as k micro-batches in
+        a sequential loop (only one micro-batch's activations live at a time); their clipped
+        sums are added up and the optimizer adds noise once.
+        """
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         opt = self.optimizer
         if not isinstance(opt, DPOptimizerMixin):
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
         variables = list(self.trainable_variables)
-        result = private_step.clipped_sum(
-            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip, variables=variables,
-            norm_strategy=opt.norm_strategy)
+        k = opt.accumulation_steps
+        if k == 1:
+            grads = self._dp_micro_step(x, y, sample_weight, variables)
+        else:
+            grads = self._dp_accumulate(x, y, sample_weight, variables, k)
         _refuse_data_dependent_losses(self)
         expected, _, _ = getattr(self, "_dp_sampling", (None, None, False))
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
-        grads = result.grads
         reg = _regularization_gradients(variables)
         if reg is not None:
             # Weight regularisation is data independent: added after privatisation. The
@@ -165,9 +181,35 @@ class DPTrainMixin:
             grads = [g if r is None else g + r * tf.cast(expected, g.dtype) / replicas
                      for g, r in zip(grads, reg)]
         opt.apply_private(grads, variables, expected)
-        return self._dp_metrics(x, y, result, sample_weight)
+        return self.get_metrics_result()
 
-    def _dp_metrics(self, x, y, result, sample_weight):
+    def _dp_micro_step(self, x, y, sample_weight, variables):
+        opt = self.optimizer
+        result = private_step.clipped_sum(
+            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip, variables=variables,
+            norm_strategy=opt.norm_strategy, num_projections=opt.num_projections,
+            seed=opt.step_seed())
+        self._dp_update_metrics(x, y, result, sample_weight)
+        return result.grads
+
+    def _dp_accumulate(self, x, y, sample_weight, variables, k):
+        n = tf.shape(tf.nest.flatten(x)[0])[0]
+
+        def part(structure, j):
+            lo, hi = (j * n) // k, ((j + 1) * n) // k
+            return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], structure)
+
+        def body(j, *acc):
+            grads = self._dp_micro_step(part(x, j), part(y, j), part(sample_weight, j),
+                                        variables)
+            return (j + 1, *[a + g for a, g in zip(acc, grads)])
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        out = tf.while_loop(lambda j, *acc: j < k, body, (tf.constant(0), *zeros),
+                            parallel_iterations=1)
+        return list(out[1:])
+
+    def _dp_update_metrics(self, x, y, result, sample_weight):
         if sample_weight is not None:
             included = tf.reduce_sum(tf.cast(tf.reshape(sample_weight, [tf.shape(
                 result.losses)[0], -1])[:, 0] > 0, result.losses.dtype))
@@ -175,10 +217,19 @@ class DPTrainMixin:
             included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
         self._loss_tracker.update_state(mean_loss, sample_weight=included)
-        return self.compute_metrics(x, y, result.y_pred, sample_weight=sample_weight)
+        self.compute_metrics(x, y, result.y_pred, sample_weight=sample_weight)
+
+    def compile_from_config(self, config):
+        """Re-compiles a loaded model (``compile`` is overridden, so Keras would skip it)."""
+        from keras.src.saving import serialization_lib
+
+        config = serialization_lib.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
 
 
-def _fixed_batch_rate(x, batch_size, validation_split, dataset_size, k):
+def _fixed_batch_rate(x, batch_size, validation_split, dataset_size):
     """q = logical batch / N for fixed batches (the accounting then assumes Poisson)."""
     if isinstance(x, tf.data.Dataset):
         spec_leaf = tf.nest.flatten(x.element_spec)[0]
@@ -201,7 +252,7 @@ def _fixed_batch_rate(x, batch_size, validation_split, dataset_size, k):
         n = dataset_size or len(tf.nest.flatten(x)[0])
         dataset_size = int(n * (1.0 - (validation_split or 0.0)))
         batch = batch_size or 32
-    return min(1.0, batch * k / dataset_size)
+    return min(1.0, batch / dataset_size)
 
 
 def _refuse_data_dependent_losses(model):

@@ -5,6 +5,11 @@ from __future__ import annotations
 import keras
 
 
+def _steps(optimizer) -> int:
+    # optimizer.iterations may be a MirroredVariable: int() of it fails, numpy works.
+    return int(keras.ops.convert_to_numpy(optimizer.iterations))
+
+
 class PrivacyCallback(keras.callbacks.Callback):
     """Added by ``DPModel.fit`` in front of the user's callbacks (so History and the
     progress bar see ``epsilon``).
@@ -33,7 +38,7 @@ class PrivacyCallback(keras.callbacks.Callback):
                     num_projections=getattr(opt, "num_projections", None))
 
     def on_train_begin(self, logs=None):
-        self._recorded = int(self.model.optimizer.iterations)
+        self._recorded = _steps(self.model.optimizer)
         target = self.model.target_epsilon
         self._max_steps = None
         if target is not None:
@@ -45,7 +50,7 @@ class PrivacyCallback(keras.callbacks.Callback):
                 self.model.stop_training = True
 
     def on_train_batch_end(self, batch, logs=None):
-        steps = int(self.model.optimizer.iterations)
+        steps = _steps(self.model.optimizer)
         new = steps - self._recorded
         if new > 0:
             self.model.accountant.step(count=new, **self._mechanism())

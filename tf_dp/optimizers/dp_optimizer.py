@@ -4,6 +4,7 @@ normalisation by the expected batch size, and the refusal to run outside a priva
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import tensorflow as tf
@@ -17,27 +18,44 @@ _PLAIN_MODEL_MESSAGE = (
     "before compile().")
 
 
+def validate_num_projections(num_projections):
+    """``num_projections`` (r) must be an integer >= 1."""
+    if isinstance(num_projections, bool) or not isinstance(num_projections, int):
+        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
+    if num_projections < 1:
+        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections}.")
+
+
 def validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
                      norm_strategy, seed):
-    """Raises ValueError/TypeError naming the argument for each bad DP argument."""
-    if isinstance(l2_norm_clip, bool) or not isinstance(l2_norm_clip, (int, float)):
+    """Raises ValueError/TypeError naming the argument for each bad DP argument.
+
+    ``l2_norm_clip = inf`` means no clipping and is only accepted with
+    ``noise_multiplier = 0`` (a non-private reference run); noise scaled by an infinite clip
+    would be infinite.
+    """
+    if isinstance(l2_norm_clip, bool) or not isinstance(l2_norm_clip, numbers.Real):
         raise TypeError(f"`l2_norm_clip` must be a number, got {l2_norm_clip!r}.")
-    if not l2_norm_clip > 0 or math.isnan(l2_norm_clip):
+    if math.isnan(l2_norm_clip) or not l2_norm_clip > 0:
         raise ValueError(f"`l2_norm_clip` must be > 0, got {l2_norm_clip}.")
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
         raise TypeError(f"`noise_multiplier` must be a number, got {noise_multiplier!r}.")
     if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
         raise ValueError(f"`noise_multiplier` must be finite and >= 0, got {noise_multiplier}.")
+    if math.isinf(l2_norm_clip) and noise_multiplier > 0:
+        raise ValueError("`l2_norm_clip` is inf (no clipping) but `noise_multiplier` is "
+                         f"{noise_multiplier}: the noise std sigma*C would be infinite.")
     if gradient_accumulation_steps is not None and (
             isinstance(gradient_accumulation_steps, bool)
-            or not isinstance(gradient_accumulation_steps, int)
+            or not isinstance(gradient_accumulation_steps, numbers.Integral)
             or gradient_accumulation_steps < 1):
         raise ValueError("`gradient_accumulation_steps` must be an integer >= 1, got "
                          f"{gradient_accumulation_steps!r}.")
-    if norm_strategy not in private_step.NORM_STRATEGIES:
-        raise ValueError(f"`norm_strategy` must be one of {private_step.NORM_STRATEGIES}, "
-                         f"got {norm_strategy!r}.")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    exact = tuple(s for s in private_step.NORM_STRATEGIES if s != "jl")
+    if norm_strategy not in exact:
+        raise ValueError(f"`norm_strategy` must be one of {exact}, got {norm_strategy!r} "
+                         "(for JL norms use DPSGDJL / DPAdamJL / DPAdamWJL).")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
 
 
@@ -50,27 +68,24 @@ class DPOptimizerMixin:
     """
 
     _dp_keys = ("l2_norm_clip", "noise_multiplier", "seed", "norm_strategy")
+    #: r for the JL optimizers; None means exact per-example norms.
+    num_projections = None
 
-    def _init_dp(self, l2_norm_clip, noise_multiplier, seed, norm_strategy):
+    def _init_dp(self, l2_norm_clip, noise_multiplier, seed, norm_strategy,
+                 gradient_accumulation_steps):
         # Arguments were validated by `validate_dp_args` before the Keras base __init__.
+        # Accumulation is done inside the private train step (one logical batch is split into
+        # k micro-batches), never by Keras, so noise is added once per step on any number of
+        # replicas and learning-rate schedules count logical steps.
+        self.accumulation_steps = int(gradient_accumulation_steps or 1)
         self.l2_norm_clip = float(l2_norm_clip)
         self.noise_multiplier = float(noise_multiplier)
         self.norm_strategy = norm_strategy
-        self.seed = seed
+        self.seed = None if seed is None else int(seed)
         # An unseeded optimizer draws its noise seed from the OS: noise must be unpredictable.
         self._noise_seed = seed if seed is not None else int.from_bytes(os.urandom(4),
                                                                          "little") >> 1
         self._inside_private_step = False
-
-    @staticmethod
-    def _keras_accumulation(gradient_accumulation_steps):
-        # Keras accumulates (and all-reduces across replicas) for k >= 2; k = 1 means none.
-        k = gradient_accumulation_steps or 1
-        return None if k == 1 else k
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.gradient_accumulation_steps or 1
 
     def apply(self, grads, trainable_variables=None):
         if not self._inside_private_step:
@@ -78,30 +93,26 @@ class DPOptimizerMixin:
         return super().apply(grads, trainable_variables)
 
     def apply_private(self, clipped_sums, variables, expected_batch_size, noise_masks=None):
-        """Adds noise once per logical step, normalises and applies the update.
+        """Adds the noise of one logical step, normalises and applies the update.
 
         Args:
-          clipped_sums: ``sum_i w_i g_i`` per variable for this replica's micro-batch.
+          clipped_sums: ``sum_i w_i g_i`` per variable, over this replica's share of the
+            logical batch (all its micro-batches).
           variables: the variables they belong to.
-          expected_batch_size: the expected size of one *global* micro-batch (q*N under
+          expected_batch_size: the expected size of the *global* logical batch (q*N under
             Poisson sampling), never the realised one.
           noise_masks: optional per-variable 0/1 masks (None entries allowed): noise is
             multiplied by them (LSG's frozen entries get none).
         """
-        k = self.accumulation_steps
-        is_last = tf.equal((self._iterations + 1) % k, 0) if k > 1 else tf.constant(True)
         ctx = tf.distribute.get_replica_context()
         replica_id = ctx.replica_id_in_sync_group if ctx is not None else 0
-        first_replica = tf.equal(tf.cast(replica_id, tf.int32), 0)
+        # Keras sums the replicas' gradients: only the first replica adds noise.
+        first_replica = tf.cast(tf.equal(tf.cast(replica_id, tf.int32), 0), tf.float32)
         stddev = self.noise_multiplier * self.l2_norm_clip
-        seed = tf.stack([tf.constant(self._noise_seed, tf.int64),
-                         tf.cast(self.iterations, tf.int64)])
         shapes = [(v.shape, g.dtype) for g, v in zip(clipped_sums, variables)]
         if stddev > 0:
-            add = tf.logical_and(is_last, first_replica)
-            noise = tf.cond(
-                add, lambda: private_step.gaussian_noise(shapes, stddev, seed),
-                lambda: [tf.zeros(s, d) for s, d in shapes])
+            noise = private_step.gaussian_noise(shapes, stddev, self.step_seed())
+            noise = [n * tf.cast(first_replica, n.dtype) for n in noise]
         else:
             noise = [tf.zeros(s, d) for s, d in shapes]
         if noise_masks is not None:
@@ -111,9 +122,19 @@ class DPOptimizerMixin:
         grads = [(g + n) * tf.cast(scale, g.dtype) for g, n in zip(clipped_sums, noise)]
         self._inside_private_step = True
         try:
-            self.apply(grads, variables)
+            # The update (and the step counter) must wait for the gradients, whose
+            # finiteness check may refuse the step.
+            with tf.control_dependencies(grads):
+                self.apply(grads, variables)
         finally:
             self._inside_private_step = False
 
+    def step_seed(self):
+        """(2,) seed of this logical step: the optimizer's secret seed and its step count."""
+        return tf.stack([tf.constant(self._noise_seed, tf.int64),
+                         tf.cast(self.iterations, tf.int64)])
+
     def _dp_config(self):
-        return {k: getattr(self, k) for k in self._dp_keys}
+        config = {k: getattr(self, k) for k in self._dp_keys}
+        config["gradient_accumulation_steps"] = self.accumulation_steps
+        return config

@@ -41,9 +41,9 @@ class DPSGD(DPOptimizerMixin, keras.optimizers.SGD):
                          norm_strategy, seed)
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
                          weight_decay=weight_decay, name=name,
-                         gradient_accumulation_steps=self._keras_accumulation(
-                             gradient_accumulation_steps), **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed, norm_strategy)
+                         **kwargs)
+        self._init_dp(l2_norm_clip, noise_multiplier, seed, norm_strategy,
+                      gradient_accumulation_steps)
 
     def get_config(self):
         return {**super().get_config(), **self._dp_config()}

@@ -1,0 +1,81 @@
+"""Per-example gradient norms by Johnson-Lindenstrauss projections (forward-mode AD).
+
+Bu, Gopi, Kulkarni, Lee, Shen, Tantipongpipat 2021, "Fast and Memory Efficient
+Differentially Private-SGD via JL Projections", Algorithm 1:
+
+    v_1..v_r ~ N(0, I) over all trainable parameters
+    P_ij = <grad l_i, v_j>            one JVP of the per-example loss vector per direction
+    M_i  = sqrt(mean_j P_ij^2)        E[M_i^2] = ||grad l_i||^2
+    backpropagate sum_i l_i / max(1, M_i / C)   (scale under stop_gradient)
+
+Works for any architecture: no per-layer rule is needed, only JVPs, computed with
+``tf.autodiff.ForwardAccumulator`` on the layers' own forward pass. Keras recurrent layers
+are unrolled while traced (their while_loop over TensorArrays has no forward-mode rule), and
+the random state of dropout-like layers is replayed so every JVP and the backward pass see
+the same masks: the norm estimate then describes exactly the gradient that is clipped.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dp.core import vmap
+
+_DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
+
+
+def directions(variables, num_projections: int, seed):
+    """r standard Gaussian directions: a list over j of lists over variables.
+
+    ``seed`` is a (2,) int tensor (the optimizer's noise seed and step): the same seed gives
+    the same projections.
+    """
+    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _DIRECTION_STREAM)
+    out = []
+    for j in range(num_projections):
+        sj = tf.random.experimental.stateless_fold_in(base, j)
+        out.append([tf.random.stateless_normal(v.shape, seed=tf.random.experimental
+                                               .stateless_fold_in(sj, i), dtype=v.dtype)
+                    for i, v in enumerate(variables)])
+    return out
+
+
+def _seed_generators(model):
+    gens = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        gens.extend(getattr(layer, "_seed_generators", []) or [])
+    return gens
+
+
+def jl_norms(projections):
+    """``M_i = sqrt(mean_j P_ij^2)`` from the (r, B) matrix of projections."""
+    return tf.sqrt(tf.reduce_mean(tf.square(projections), axis=0))
+
+
+def jl_forward(model, per_example_loss, x, y, sample_weight, variables, num_projections, seed,
+               tape):
+    """Runs r forward passes with forward-mode AD; the first one is recorded by ``tape``.
+
+    Returns (per-example losses of the recorded pass, outputs, projections (r, B)).
+    """
+    prims = [v.value if hasattr(v, "value") else v for v in variables]
+    dirs = directions(variables, num_projections, seed)
+    gens = _seed_generators(model)
+    saved = [tf.identity(g.state.value) for g in gens]
+    projections, losses0, pred0 = [], None, None
+    with vmap._vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
+        for j in range(num_projections):
+            for g, s in zip(gens, saved):
+                g.state.assign(s)
+            with tf.autodiff.ForwardAccumulator(prims, dirs[j]) as acc:
+                if j == 0:
+                    with tape:
+                        pred = model(x, training=True)
+                        losses = per_example_loss(y, pred, sample_weight)
+                    losses0, pred0 = losses, pred
+                else:
+                    pred = model(x, training=True)
+                    losses = per_example_loss(y, pred, sample_weight)
+            jvp = acc.jvp(losses, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            projections.append(jvp)
+    return losses0, pred0, tf.stack(projections)
