@@ -37,6 +37,8 @@ def clip_factors(norms, l2_norm_clip):
     norms = tf.debugging.assert_all_finite(
         norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs and "
                "learning rate); the step was not applied.")
+    if l2_norm_clip == float("inf"):
+        return tf.stop_gradient(tf.ones_like(norms))  # no clipping (a non-private reference)
     c = tf.cast(l2_norm_clip, norms.dtype)
     return tf.stop_gradient(c / tf.maximum(norms, c))
 
