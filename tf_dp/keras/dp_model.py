@@ -123,7 +123,10 @@ class DPTrainMixin:
         if sampler is not None:
             self._dp_set_sampling(sampler.expected_batch_size, sampler.sampling_probability,
                                   poisson=True)
-            callbacks = [PrivacyCallback(sampler.sampling_probability)] + list(callbacks or [])
+            privacy = PrivacyCallback(sampler.sampling_probability)
+            if self._dp_budget_spent(privacy):
+                return self.history if getattr(self, "history", None) else None
+            callbacks = [privacy] + list(callbacks or [])
             return super().fit(sampler.dataset(), epochs=epochs, verbose=verbose, shuffle=False,
                                callbacks=callbacks, validation_data=validation_data,
                                steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch,
@@ -133,7 +136,10 @@ class DPTrainMixin:
         print(_FIXED_BATCH_NOTE)
         q = _fixed_batch_rate(x, batch_size and batch_size * k, validation_split,
                               kwargs.pop("dataset_size", None))
-        callbacks = [PrivacyCallback(q, assumes_poisson=False)] + list(callbacks or [])
+        privacy = PrivacyCallback(q, assumes_poisson=False)
+        if self._dp_budget_spent(privacy):
+            return self.history if getattr(self, "history", None) else None
+        callbacks = [privacy] + list(callbacks or [])
         if batch_size is not None:
             batch_size = batch_size * k  # each Keras batch is one logical batch
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
@@ -141,6 +147,13 @@ class DPTrainMixin:
                            validation_data=validation_data, shuffle=shuffle,
                            sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
                            **kwargs)
+
+    def _dp_budget_spent(self, privacy):
+        if privacy.remaining_steps(self) == 0:
+            print(f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at delta "
+                  f"{self.privacy_delta:g}) is spent; not training.")
+            return True
+        return False
 
     def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
         state = (expected_micro_batch_size, sampling_probability, poisson)

@@ -37,17 +37,19 @@ class PrivacyCallback(keras.callbacks.Callback):
                     sampling_probability=self.sampling_probability,
                     num_projections=getattr(opt, "num_projections", None))
 
-    def on_train_begin(self, logs=None):
-        self._recorded = _steps(self.model.optimizer)
-        target = self.model.target_epsilon
+    def remaining_steps(self, model):
+        """Steps left within ``model.target_epsilon`` (None: no target). Called by ``fit``
+        before training, since Keras runs one batch before it looks at ``stop_training``."""
+        self.set_model(model)
+        target = model.target_epsilon
         self._max_steps = None
         if target is not None:
-            self._max_steps = max_additional_steps(self.model.accountant, target,
-                                                   self.model.privacy_delta, self._mechanism())
-            if self._max_steps == 0:
-                print(f"tf_dp: the privacy budget (target epsilon {target:g} at delta "
-                      f"{self.model.privacy_delta:g}) is already spent; not training.")
-                self.model.stop_training = True
+            self._max_steps = max_additional_steps(model.accountant, target,
+                                                   model.privacy_delta, self._mechanism())
+        return self._max_steps
+
+    def on_train_begin(self, logs=None):
+        self._recorded = _steps(self.model.optimizer)
 
     def on_train_batch_end(self, batch, logs=None):
         steps = _steps(self.model.optimizer)

@@ -1,0 +1,101 @@
+"""The private model records its steps in the accountant: epsilon in History, budget stop."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import tf_dp  # noqa: E402
+from tf_dp.accounting import compute_epsilon  # noqa: E402
+
+
+def _data(n=400, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    return x, (x @ rng.normal(size=(5, 1))).astype("float32")
+
+
+def _model(**kwargs):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    return tf_dp.keras.make_private(model, **kwargs)
+
+
+def test_history_has_epsilon_of_the_steps_taken():
+    x, y = _data()
+    model = _model(delta=1e-5)
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.2, learning_rate=0.05, seed=0), loss="mse")
+    hist = model.fit(x, y, batch_size=40, epochs=2, verbose=0)
+    q, steps_per_epoch = 40 / 400, 10
+    assert int(model.optimizer.iterations) == 2 * steps_per_epoch
+    want = [compute_epsilon(1.2, q, steps_per_epoch * (e + 1), 1e-5) for e in range(2)]
+    np.testing.assert_allclose(hist.history["epsilon"], want, rtol=1e-6)
+    assert hist.history["epsilon"][0] < hist.history["epsilon"][1]
+    np.testing.assert_allclose(model.epsilon(), want[-1], rtol=1e-6)
+
+
+def test_accumulation_records_logical_steps_at_the_logical_rate():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.2, learning_rate=0.05, seed=0,
+                                        gradient_accumulation_steps=2), loss="mse")
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)  # logical batch 40: q = 0.1
+    assert int(model.optimizer.iterations) == 10
+    np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.2, 0.1, 10, 1e-5), rtol=1e-6)
+
+
+def test_target_epsilon_stops_before_the_step_that_would_exceed_it(capsys):
+    x, y = _data()
+    target = compute_epsilon(1.0, 0.1, 7, 1e-5) * 1.0001  # 7 steps fit, the 8th would not
+    assert compute_epsilon(1.0, 0.1, 8, 1e-5) > target
+    model = _model(target_epsilon=target)
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0, learning_rate=0.05, seed=0), loss="mse")
+    model.fit(x, y, batch_size=40, epochs=5, verbose=0)
+    assert int(model.optimizer.iterations) == 7
+    assert model.epsilon() <= target
+    assert "would exceed the target epsilon" in capsys.readouterr().out
+    # The budget is spent: a second fit does not train.
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 7
+
+
+def test_saved_model_carries_the_spent_budget(tmp_path):
+    x, y = _data()
+    model = _model(delta=1e-6)
+    model.compile(optimizer=tf_dp.DPAdam(1.0, 1.1, seed=0), loss="mse")
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.privacy_delta == 1e-6
+    np.testing.assert_allclose(loaded.epsilon(), model.epsilon(), rtol=1e-9)
+    loaded.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    np.testing.assert_allclose(loaded.epsilon(), compute_epsilon(1.1, 0.1, 20, 1e-6), rtol=1e-6)
+
+
+def test_jl_steps_are_recorded_with_their_projections():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=tf_dp.DPSGDJL(1.0, 1.0, num_projections=20, seed=0), loss="mse")
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    jl_eps = model.epsilon()
+    exact = compute_epsilon(1.0, 0.1, 10, 1e-5)
+    np.testing.assert_allclose(jl_eps, compute_epsilon(1.0, 0.1, 10, 1e-5, num_projections=20),
+                               rtol=1e-6)
+    assert jl_eps > exact
+
+
+def test_make_private_rejects_bad_budget_arguments():
+    with pytest.raises(ValueError, match="`delta`"):
+        _model(delta=0.0)
+    with pytest.raises(ValueError, match="`target_epsilon`"):
+        _model(target_epsilon=-1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
