@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import private_step
+from tf_dp.core import private_step, reparam
 from tf_dp.keras.privacy_callback import PrivacyCallback
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
@@ -175,7 +175,9 @@ class DPTrainMixin:
         opt = self.optimizer
         if not isinstance(opt, DPOptimizerMixin):
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
-        variables = list(self.trainable_variables)
+        plan = reparam.gradient_plan(self)
+        plan.update_carriers()  # RGP: carriers of this step, from the historical update
+        variables = plan.privatized
         k = opt.accumulation_steps
         if k == 1:
             grads = self._dp_micro_step(x, y, sample_weight, variables)
@@ -185,15 +187,9 @@ class DPTrainMixin:
         expected, _, _ = getattr(self, "_dp_sampling", (None, None, False))
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
-        reg = _regularization_gradients(variables)
-        if reg is not None:
-            # Weight regularisation is data independent: added after privatisation. The
-            # optimizer divides by `expected` and Keras sums replicas, hence the factors.
-            ctx = tf.distribute.get_replica_context()
-            replicas = ctx.num_replicas_in_sync if ctx is not None else 1
-            grads = [g if r is None else g + r * tf.cast(expected, g.dtype) / replicas
-                     for g, r in zip(grads, reg)]
-        opt.apply_private(grads, variables, expected)
+        opt.apply_private(grads, variables, expected, noise_masks=plan.noise_masks,
+                          to_trainable=plan.to_trainable,
+                          extra_gradients=_regularization_gradients(plan.trainable))
         return self.get_metrics_result()
 
     def _dp_micro_step(self, x, y, sample_weight, variables):
@@ -279,18 +275,16 @@ def _refuse_data_dependent_losses(model):
 
 
 def _regularization_gradients(variables):
-    regs = [getattr(v, "regularizer", None) for v in variables]
-    if not any(regs):
-        return None
-    out = []
-    for v, r in zip(variables, regs):
+    """{id(v): gradient of v's weight regulariser}: data independent, added after noise."""
+    out = {}
+    for v in variables:
+        r = getattr(v, "regularizer", None)
         if r is None:
-            out.append(None)
             continue
         with tf.GradientTape() as tape:
             tape.watch(v.value)
             penalty = r(v.value)
-        out.append(tape.gradient(penalty, v.value))
+        out[id(v)] = tape.gradient(penalty, v.value)
     return out
 
 

@@ -92,7 +92,8 @@ class DPOptimizerMixin:
             raise RuntimeError(_PLAIN_MODEL_MESSAGE.format(name=type(self).__name__))
         return super().apply(grads, trainable_variables)
 
-    def apply_private(self, clipped_sums, variables, expected_batch_size, noise_masks=None):
+    def apply_private(self, clipped_sums, variables, expected_batch_size, noise_masks=None,
+                      to_trainable=None, extra_gradients=None):
         """Adds the noise of one logical step, normalises and applies the update.
 
         Args:
@@ -103,6 +104,10 @@ class DPOptimizerMixin:
             Poisson sampling), never the realised one.
           noise_masks: optional per-variable 0/1 masks (None entries allowed): noise is
             multiplied by them (LSG's frozen entries get none).
+          to_trainable: optional ``fn(grads, variables) -> (grads, variables)`` applied to the
+            noised gradients (post-processing), e.g. RGP's carrier-to-weight reconstruction.
+          extra_gradients: optional {id(variable): gradient} of data-independent terms
+            (weight regularisers), added after privatisation.
         """
         ctx = tf.distribute.get_replica_context()
         replica_id = ctx.replica_id_in_sync_group if ctx is not None else 0
@@ -120,6 +125,13 @@ class DPOptimizerMixin:
                      for n, m in zip(noise, noise_masks)]
         scale = 1.0 / tf.cast(expected_batch_size, tf.float32)
         grads = [(g + n) * tf.cast(scale, g.dtype) for g, n in zip(clipped_sums, noise)]
+        if to_trainable is not None:
+            grads, variables = to_trainable(grads, variables)
+        if extra_gradients:
+            # Keras sums the replicas' gradients: each replica adds its share.
+            replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+            grads = [g + tf.cast(extra_gradients[id(v)], g.dtype) / replicas
+                     if id(v) in extra_gradients else g for g, v in zip(grads, variables)]
         self._inside_private_step = True
         try:
             # The update (and the step counter) must wait for the gradients, whose
