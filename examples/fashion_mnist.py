@@ -90,6 +90,8 @@ class _Report(keras.callbacks.Callback):
         _, acc = self.model.evaluate(self.x_test, self.y_test, batch_size=2048, verbose=0)
         eps = (logs or {}).get("epsilon", float("inf") if self.private else None)
         eps_text = f"{eps:.3f}" if eps is not None else "n/a (non-private)"
+        if "epsilon_exact_clipping" in (logs or {}):
+            eps_text += f" (exact clipping would give {logs['epsilon_exact_clipping']:.3f})"
         print(f"epoch {epoch + 1:3d}  test accuracy {acc:.4f}  epsilon {eps_text} "
               f"(delta={FLAGS.delta:g})  {seconds:.1f} s", flush=True)
 

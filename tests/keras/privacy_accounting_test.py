@@ -78,16 +78,22 @@ def test_saved_model_carries_the_spent_budget(tmp_path):
     np.testing.assert_allclose(loaded.epsilon(), compute_epsilon(1.1, 0.1, 20, 1e-6), rtol=1e-6)
 
 
-def test_jl_steps_are_recorded_with_their_projections():
+def test_jl_steps_are_recorded_with_their_projections(capsys):
     x, y = _data()
     model = _model()
     model.compile(optimizer=tf_dp.DPSGDJL(1.0, 1.0, num_projections=20, seed=0), loss="mse")
-    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    hist = model.fit(x, y, batch_size=40, epochs=1, verbose=0)
     jl_eps = model.epsilon()
     exact = compute_epsilon(1.0, 0.1, 10, 1e-5)
     np.testing.assert_allclose(jl_eps, compute_epsilon(1.0, 0.1, 10, 1e-5, num_projections=20),
                                rtol=1e-6)
     assert jl_eps > exact
+    # The training output shows the JL epsilon next to what exact clipping would cost.
+    np.testing.assert_allclose(hist.history["epsilon"], [jl_eps], rtol=1e-9)
+    np.testing.assert_allclose(hist.history["epsilon_exact_clipping"], [exact], rtol=1e-6)
+    np.testing.assert_allclose(model.epsilon(exact_clipping=True), exact, rtol=1e-6)
+    if jl_eps > 1.5 * exact:
+        assert "exact clipping at the same sigma" in capsys.readouterr().out
 
 
 def test_make_private_rejects_bad_budget_arguments():

@@ -45,17 +45,28 @@ class DPTrainMixin:
             self._dp_accountant = PrivacyAccountant()
         return self._dp_accountant
 
-    def epsilon(self, delta: float = None) -> float:
+    @property
+    def exact_clipping_accountant(self):
+        """The steps of JL optimizers accounted as exact clipping, for comparison only."""
+        if getattr(self, "_dp_exact_accountant", None) is None:
+            from tf_dp.accounting import PrivacyAccountant
+
+            self._dp_exact_accountant = PrivacyAccountant()
+        return self._dp_exact_accountant
+
+    def epsilon(self, delta: float = None, exact_clipping: bool = False) -> float:
         """Epsilon spent so far at ``delta`` (default: the model's ``privacy_delta``).
 
+        With ``exact_clipping=True``: what the JL steps would have cost with exact norms.
         When the accountant cannot reach its stated accuracy (very small JL ``r``), the
         returned value is its valid but looser upper bound, with a warning.
         """
         from tf_dp.accounting import AccuracyError
 
         delta = self.privacy_delta if delta is None else delta
+        accountant = self.exact_clipping_accountant if exact_clipping else self.accountant
         try:
-            return self.accountant.epsilon(delta)
+            return accountant.epsilon(delta)
         except AccuracyError as err:
             warnings.warn(f"tf_dp: epsilon could not be computed to the accountant's accuracy; "
                           f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=2)
@@ -65,7 +76,9 @@ class DPTrainMixin:
         config = super().get_config()
         config["tf_dp"] = {"privacy_delta": self.privacy_delta,
                            "target_epsilon": self.target_epsilon,
-                           "accountant": self.accountant.get_config()}
+                           "accountant": self.accountant.get_config(),
+                           "exact_clipping_accountant":
+                               self.exact_clipping_accountant.get_config()}
         return config
 
     @classmethod
@@ -79,6 +92,9 @@ class DPTrainMixin:
             model.privacy_delta = extra["privacy_delta"]
             model.target_epsilon = extra["target_epsilon"]
             model._dp_accountant = PrivacyAccountant.from_config(extra["accountant"])
+            if extra.get("exact_clipping_accountant"):
+                model._dp_exact_accountant = PrivacyAccountant.from_config(
+                    extra["exact_clipping_accountant"])
         return model
 
     # ------------------------------------------------------------------ compile / fit

@@ -10,12 +10,18 @@ def _steps(optimizer) -> int:
     return int(keras.ops.convert_to_numpy(optimizer.iterations))
 
 
+#: warn when the JL epsilon exceeds exact clipping's by this factor.
+JL_GAP_WARNING = 1.5
+
+
 class PrivacyCallback(keras.callbacks.Callback):
     """Added by ``DPModel.fit`` in front of the user's callbacks (so History and the
     progress bar see ``epsilon``).
 
     After every batch it records the logical steps the optimizer took (sigma, q, r); at the
-    end of each epoch it puts ``epsilon`` (at the model's ``privacy_delta``) in the logs.
+    end of each epoch it puts ``epsilon`` (at the model's ``privacy_delta``) in the logs; for
+    JL optimizers also ``epsilon_exact_clipping``, the epsilon exact clipping would have at
+    the same sigma, q and steps, with a warning when the JL one is much larger.
     With a ``target_epsilon`` it stops training right after the last step whose epsilon
     stays within the target, i.e. before the step that would exceed it.
 
@@ -30,6 +36,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.assumes_poisson = assumes_poisson
         self._recorded = 0
         self._max_steps = None
+        self._warned = False
 
     def _mechanism(self):
         opt = self.model.optimizer
@@ -55,7 +62,12 @@ class PrivacyCallback(keras.callbacks.Callback):
         steps = _steps(self.model.optimizer)
         new = steps - self._recorded
         if new > 0:
-            self.model.accountant.step(count=new, **self._mechanism())
+            mechanism = self._mechanism()
+            self.model.accountant.step(count=new, **mechanism)
+            if mechanism["num_projections"] is not None:
+                # What exact clipping would have cost at the same sigma, q and steps.
+                self.model.exact_clipping_accountant.step(
+                    count=new, **{**mechanism, "num_projections": None})
             self._recorded = steps
             if self._max_steps is not None:
                 self._max_steps -= new
@@ -66,8 +78,18 @@ class PrivacyCallback(keras.callbacks.Callback):
                     self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["epsilon"] = self.model.epsilon()
+        if logs is None:
+            return
+        logs["epsilon"] = self.model.epsilon()
+        if self._mechanism()["num_projections"] is not None:
+            exact = self.model.epsilon(exact_clipping=True)
+            logs["epsilon_exact_clipping"] = exact
+            if not self._warned and logs["epsilon"] > JL_GAP_WARNING * exact:
+                self._warned = True
+                print(f"tf_dp: JL norms with r={self._mechanism()['num_projections']} cost "
+                      f"epsilon {logs['epsilon']:.4g}, exact clipping at the same sigma, q and "
+                      f"steps would cost {exact:.4g}: use larger r (or exact clipping) for the "
+                      "final run; small r is for fast hyper-parameter search (Bu et al. 2021).")
 
 
 def max_additional_steps(accountant, target_epsilon, delta, mechanism, limit=10**8):
