@@ -111,5 +111,49 @@ def test_rgp_trains_privately_end_to_end():
     assert np.isfinite(hist.history["epsilon"][-1])
 
 
+def _brute_norms_and_sums(model, loss_fn, x, y, variables, clip):
+    per = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            tape.watch([v.value for v in variables])
+            loss = tf.reduce_sum(loss_fn(y[i:i + 1], model(x[i:i + 1], training=True)))
+        per.append([tf.convert_to_tensor(g).numpy() for g in tape.gradient(
+            loss, [v.value for v in variables],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)])
+    norms = np.array([np.sqrt(sum(np.sum(np.square(g)) for g in p)) for p in per])
+    w = np.minimum(1.0, clip / norms)
+    sums = [sum(w[i] * per[i][j] for i in range(len(x))) for j in range(len(variables))]
+    return norms, sums
+
+
+@pytest.mark.parametrize("kind", ["dense_seq", "conv"])
+@pytest.mark.parametrize("sparsity", [None, 0.5])
+@pytest.mark.parametrize("strategy", ["ghost", "vmap"])
+def test_carrier_norms_and_sums_match_brute_force(kind, sparsity, strategy):
+    keras.utils.set_random_seed(7)
+    rng = np.random.default_rng(7)
+    if kind == "dense_seq":
+        plain = keras.Sequential([keras.Input((5, 6)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Flatten(), keras.layers.Dense(3)])
+        x = rng.normal(size=(4, 5, 6)).astype("float32")
+    else:
+        plain = keras.Sequential([keras.Input((7, 7, 3)),
+                                  keras.layers.Conv2D(6, 3, strides=2, padding="same",
+                                                      activation="tanh"),
+                                  keras.layers.Flatten(), keras.layers.Dense(3)])
+        x = rng.normal(size=(4, 7, 7, 3)).astype("float32")
+    model = reparametrize(plain, rank=2, sparsity=sparsity,
+                          layers=[plain.layers[0].name])
+    plan = reparam.gradient_plan(model)
+    y = rng.integers(0, 3, size=4)
+    loss_fn = build_per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    want_norms, want_sums = _brute_norms_and_sums(model, loss_fn, x, y, plan.privatized, 0.3)
+    res = clipped_sum(model, x, y, None, loss_fn, 0.3, variables=plan.privatized,
+                      norm_strategy=strategy)
+    np.testing.assert_allclose(res.norms.numpy(), want_norms, rtol=1e-5)
+    for got, want in zip(res.grads, want_sums):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -6,3 +6,6 @@ from tf_dp.core.private_step import (ClippedSum, NORM_STRATEGIES, batch_size_of,
 
 __all__ = ["ClippedSum", "NORM_STRATEGIES", "batch_size_of", "build_per_example_loss",
            "clip_factors", "clipped_sum", "gaussian_noise"]
+
+# Registers the ghost-norm formulas of the reparametrized layers (tf_dp.layers).
+from tf_dp.core import ghost_reparam  # noqa: E402,F401

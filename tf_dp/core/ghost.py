@@ -186,18 +186,21 @@ def _embedding(layer, rec, inputs):
     return tf.cast(z, layer.compute_dtype)
 
 
-def _conv_patches(layer, x, padding):
-    """im2col patches (B, L, k*cin) of a channels-last input for a 1D/2D conv."""
-    if layer.rank == 1:
-        x = x[:, None, :, :]
-        ksize, strides, rates = (1, layer.kernel_size[0]), (1, layer.strides[0]), (
-            1, layer.dilation_rate[0])
-    else:
-        ksize, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+def conv_patches(x, kernel_size, strides, dilation_rate, padding):
+    """im2col patches (B, L, kh*kw*cin) of a channels-last 4-D input for a 2-D conv."""
     patches = tf.image.extract_patches(
-        x, sizes=[1, ksize[0], ksize[1], 1], strides=[1, strides[0], strides[1], 1],
-        rates=[1, rates[0], rates[1], 1], padding=padding.upper())
+        x, sizes=[1, kernel_size[0], kernel_size[1], 1],
+        strides=[1, strides[0], strides[1], 1],
+        rates=[1, dilation_rate[0], dilation_rate[1], 1], padding=padding.upper())
     return tf.reshape(patches, [tf.shape(patches)[0], -1, patches.shape[-1]])
+
+
+def _conv_patches(layer, x, padding):
+    """Patches of a Keras Conv1D/Conv2D input (channels last)."""
+    if layer.rank == 1:
+        return conv_patches(x[:, None, :, :], (1, layer.kernel_size[0]), (1, layer.strides[0]),
+                            (1, layer.dilation_rate[0]), padding)
+    return conv_patches(x, layer.kernel_size, layer.strides, layer.dilation_rate, padding)
 
 
 @register(keras.layers.Conv1D)

@@ -91,6 +91,8 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     batch = batch_size_of(x)
     layers = ghost.capturable_layers(model)
     with tf.GradientTape(persistent=False, watch_accessed_variables=True) as tape:
+        # Privatized variables may be non-trainable (RGP carriers): watch them explicitly.
+        tape.watch([v.value if hasattr(v, "value") else v for v in variables])
         with ghost.capture(layers, batch) as rec:
             y_pred = model(x, training=True)
         losses = per_example_loss(y, y_pred, sample_weight)
