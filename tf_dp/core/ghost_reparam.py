@@ -22,6 +22,14 @@ def _masked_factor(t, mask, axis_size):
     return t * tf.reshape(tf.cast(mask, t.dtype), [axis_size])
 
 
+def _inputs_and_carriers(layer, rec, inputs):
+    dtype = layer.compute_dtype
+    x = tf.cast(tf.convert_to_tensor(inputs), dtype)
+    rec.check_batch(layer, x)
+    left, right = layer._forward_carriers()
+    return x, tf.cast(left, dtype), tf.cast(right, dtype)
+
+
 def _masks(layer):
     if not layer.sparsity:
         return None, None
@@ -32,18 +40,14 @@ def _masks(layer):
 def _reparam_dense(layer, rec, inputs, training=None):
     if type(layer).call is not ReparamDense.call:
         return NotImplemented
-    dtype = layer.compute_dtype
-    x = tf.cast(tf.convert_to_tensor(inputs), dtype)
-    rec.check_batch(layer, x)
-    left, right = layer._forward_carriers()
-    left = tf.identity(tf.cast(left, dtype))
-    right = tf.identity(tf.cast(right, dtype))
+    x, left, right = _inputs_and_carriers(layer, rec, inputs)
+    dtype = x.dtype
     h = tf.tensordot(x, left, axes=[[x.shape.rank - 1], [0]])
     z = tf.tensordot(h, right, axes=[[h.shape.rank - 1], [0]])
     z = z + tf.tensordot(x, tf.cast(layer._residual_kernel(left, right), dtype),
                          axes=[[x.shape.rank - 1], [0]])
     if layer.bias is not None:
-        z = z + tf.identity(tf.cast(layer.bias, dtype))
+        z = z + tf.cast(layer.bias, dtype)
     m_in, m_out = _masks(layer)
     d, r, n = x.shape[-1], layer.rank, layer.units
     rec.add(layer.left_carrier, ghost.OuterTerm(
@@ -60,12 +64,8 @@ def _reparam_dense(layer, rec, inputs, training=None):
 def _reparam_conv2d(layer, rec, inputs):
     if type(layer).call is not ReparamConv2D.call:
         return NotImplemented
-    dtype = layer.compute_dtype
-    x = tf.cast(tf.convert_to_tensor(inputs), dtype)
-    rec.check_batch(layer, x)
-    left, right = layer._forward_carriers()
-    left = tf.identity(tf.cast(left, dtype))
-    right = tf.identity(tf.cast(right, dtype))
+    x, left, right = _inputs_and_carriers(layer, rec, inputs)
+    dtype = x.dtype
     hidden = layer._convolve(x, left)
     z = tf.nn.conv2d(hidden, right, strides=1, padding="VALID",
                      data_format="NHWC" if layer.data_format == "channels_last" else "NCHW")
@@ -73,12 +73,11 @@ def _reparam_conv2d(layer, rec, inputs):
     channels_last = layer.data_format == "channels_last"
     if layer.use_bias:
         shape = (1, 1, 1, layer.filters) if channels_last else (1, layer.filters, 1, 1)
-        z = z + tf.reshape(tf.identity(tf.cast(layer.bias, dtype)), shape)
+        z = z + tf.reshape(tf.cast(layer.bias, dtype), shape)
     perm = [0, 2, 3, 1]
     to_last = (lambda t: t) if channels_last else (lambda t: tf.transpose(t, perm))
     m_in, m_out = _masks(layer)
-    cin, r = x.shape[-1] if channels_last else x.shape[1], layer.rank
-    kh, kw = layer.kernel_size
+    cin = x.shape[-1] if channels_last else x.shape[1]
 
     def left_a():
         xl = to_last(x)

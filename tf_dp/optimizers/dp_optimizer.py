@@ -150,3 +150,21 @@ class DPOptimizerMixin:
         config = {k: getattr(self, k) for k in self._dp_keys}
         config["gradient_accumulation_steps"] = self.accumulation_steps
         return config
+
+
+class JLMixin:
+    """Turns a tf_dp optimizer class into its JL variant: per-example norms from
+    ``num_projections`` JL projections (Bu et al. 2021) instead of exact norms."""
+
+    def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, **kwargs):
+        validate_num_projections(num_projections)
+        kwargs.pop("norm_strategy", None)
+        super().__init__(l2_norm_clip, noise_multiplier, **kwargs)
+        self.num_projections = num_projections
+        self.norm_strategy = "jl"
+
+    def get_config(self):
+        config = super().get_config()
+        config["num_projections"] = self.num_projections
+        config.pop("norm_strategy", None)
+        return config

@@ -3,11 +3,11 @@
 import keras
 
 from tf_dp.optimizers.dp_sgd import DPSGD
-from tf_dp.optimizers.dp_optimizer import validate_num_projections
+from tf_dp.optimizers.dp_optimizer import JLMixin
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DPSGDJL(DPSGD):
+class DPSGDJL(JLMixin, DPSGD):
     """DP-SGD whose per-example gradient norms come from r JL projections.
 
     ```
@@ -36,14 +36,5 @@ class DPSGDJL(DPSGD):
 
     def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, name="DPSGDJL",
                  **kwargs):
-        validate_num_projections(num_projections)
-        kwargs.pop("norm_strategy", None)
-        super().__init__(l2_norm_clip, noise_multiplier, name=name, **kwargs)
-        self.num_projections = num_projections
-        self.norm_strategy = "jl"
-
-    def get_config(self):
-        config = super().get_config()
-        config["num_projections"] = self.num_projections
-        config.pop("norm_strategy", None)
-        return config
+        super().__init__(l2_norm_clip, noise_multiplier, num_projections=num_projections,
+                         name=name, **kwargs)
