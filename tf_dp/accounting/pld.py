@@ -134,13 +134,69 @@ def _convex_chain(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float
     return np.minimum(out, values)
 
 
-def _lower_convex_values(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float) -> np.ndarray:
-    """Lowers values until their interpolation is convex in e^ε (negative masses ≤ 1e-18 are
-    tolerated: clipping them adds at most ~1e-18 per point)."""
-    p = ctd_masses(epsilons, values, value_at_zero, 0.0)
-    if not (p[:-1] < -1e-18).any():
-        return values
-    return _convex_chain(epsilons, values, value_at_zero)
+def _chain_masses(eps: np.ndarray, v: np.ndarray, at_zero: float) -> np.ndarray:
+    """Connect-the-dots masses of the points (eps, v) themselves, the last point excluded.
+
+    Same formula as `ctd_masses`, with the first point's left neighbour at x = 0 (value at_zero).
+    """
+    gaps = np.diff(eps)
+    with np.errstate(over="ignore"):
+        right = (v[1:] - v[:-1]) / np.expm1(np.minimum(gaps, 700.0))
+    left = np.empty(v.size - 1)
+    left[0] = -(v[0] - at_zero)
+    left[1:] = (v[1:-1] - v[:-2]) / np.expm1(-gaps[:-1])
+    return right + left
+
+
+def _lower_convex_values(
+    epsilons: np.ndarray, values: np.ndarray, value_at_zero: float, max_passes: int = 200
+) -> np.ndarray:
+    """Values of the lower convex hull (in x = e^ε) of the points, at every ε.
+
+    A point whose connect-the-dots mass with respect to its current neighbours is negative lies
+    above the chord of two other points, so it is not a hull vertex: each pass drops all such
+    points at once (vectorised), and the next pass looks at the new neighbours. What remains is
+    convex, hence the hull; dropped points take the chord's value, below their own (the
+    optimistic direction). Masses above -1e-18 are left for the caller to clip. The last point
+    (value 0, the end of the support) and x = 0 (value `value_at_zero`) always stay.
+    """
+    eps = np.asarray(epsilons, dtype=float)
+    v = np.asarray(values, dtype=float)
+    keep = np.arange(v.size)
+    if v.size > 2 and v[-1] == 0.0:
+        # The hull's last edge runs from the end point (x_n, 0) to the point of least steep chord
+        # v_j / (x_n - x_j); everything in between lies above it. Found directly, because the
+        # passes would peel those points one at a time.
+        with np.errstate(divide="ignore"):
+            steepness = v[:-1] / -np.expm1(eps[:-1] - eps[-1])
+        j = int(np.argmin(steepness))
+        keep = np.concatenate([keep[: j + 1], keep[-1:]])
+    for _ in range(max_passes):
+        p = _chain_masses(eps[keep], v[keep], value_at_zero)
+        bad = p < -1e-18
+        if not bad.any():
+            break
+        keep = keep[np.concatenate([~bad, [True]])]
+    else:
+        return _convex_chain(eps, v, value_at_zero)
+    if keep.size == v.size:
+        return v
+    out = v.copy()
+    dropped = np.setdiff1d(np.arange(v.size), keep, assume_unique=True)
+    pos = np.searchsorted(keep, dropped)  # keep[pos] is the hull vertex right of each
+    right = keep[pos]
+    e_r, v_r = eps[right], v[right]
+    first = pos == 0
+    left = keep[np.maximum(pos - 1, 0)]
+    e_l = eps[left]
+    v_l = np.where(first, value_at_zero, v[left])
+    e = eps[dropped]
+    # λ = (x - x_l) / (x_r - x_l) with x = e^ε, without overflow; x_l = 0 before the first vertex.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lam = np.exp(e - e_r) * np.expm1(e_l - e) / np.expm1(e_l - e_r)
+    lam = np.where(first, np.exp(e - e_r), lam)
+    out[dropped] = np.minimum((1.0 - lam) * v_l + lam * v_r, v[dropped])
+    return out
 
 
 def _dense(k: np.ndarray, masses: np.ndarray) -> np.ndarray:
@@ -196,19 +252,40 @@ def optimistic_pld(
     """
     k = np.asarray(lattice_index, dtype=np.int64)
     eps = k * discretization
-    half = 0.5 * np.diff(eps)
-    # tangent at m_j read at x_j (left end) and at x_{j+1} (right end)
-    at_left = midpoint_delta + midpoint_weighted_q_tail * -np.expm1(-half)
+    gaps = np.diff(eps)
+    half = 0.5 * gaps
+    delta = np.asarray(delta, dtype=float)
+    weighted = np.asarray(weighted_q_tail, dtype=float)
     with np.errstate(over="ignore", invalid="ignore"):
-        at_right = midpoint_delta - midpoint_weighted_q_tail * np.expm1(half)
-    at_right = np.where(np.isfinite(at_right), at_right, 0.0)
-    # Where cells are wide (sparse tail) a flat chord at δ(ε_{j+1}) is tighter than the tangent
-    # and is also below δ on the cell (δ is decreasing). Per cell, keep the better of the two.
-    flat = np.asarray(delta, dtype=float)[1:]
-    use_flat = 2.0 * flat > at_left + at_right
-    at_left = np.where(use_flat, flat, at_left)
-    at_right = np.where(use_flat, flat, at_right)
-    v = np.asarray(delta, dtype=float).copy()
+        # Three supporting lines per cell, each read at both ends: the tangent at the left end,
+        # at the midpoint and at the right end. The midpoint one is best where δ is smooth on the
+        # scale of a cell; the end ones where it bends sharply inside the cell (the kink of the
+        # subsampled mechanism near ε = 0 on a coarse lattice) or where cells are wide.
+        candidates = [
+            (delta[:-1], delta[:-1] - weighted[:-1] * np.expm1(gaps)),
+            (
+                midpoint_delta + midpoint_weighted_q_tail * -np.expm1(-half),
+                midpoint_delta - midpoint_weighted_q_tail * np.expm1(half),
+            ),
+            (delta[1:] + weighted[1:] * -np.expm1(-gaps), delta[1:]),
+        ]
+    # A line that is negative at an end is not usable (the chord to 0 could cross δ there); the
+    # right-end tangent is never negative, so every cell has one. Per cell, keep the line whose
+    # values at the two ends fall least short, relatively, of the best value each end can get.
+    usable = [np.isfinite(l) & np.isfinite(r) & (r >= 0.0) for l, r in candidates]
+    best_left = np.max([np.where(ok, l, 0.0) for ok, (l, _) in zip(usable, candidates)], axis=0)
+    best_right = np.max([np.where(ok, r, 0.0) for ok, (_, r) in zip(usable, candidates)], axis=0)
+    tiny = np.finfo(float).tiny
+    at_left, at_right = candidates[2]
+    shortfall = 1.0 - at_left / np.maximum(best_left, tiny) + 1.0 - at_right / np.maximum(best_right, tiny)
+    for ok, (left, right) in zip(usable[:2], candidates[:2]):
+        with np.errstate(invalid="ignore"):
+            short = 2.0 - left / np.maximum(best_left, tiny) - right / np.maximum(best_right, tiny)
+        better = ok & (short < shortfall)
+        at_left = np.where(better, left, at_left)
+        at_right = np.where(better, right, at_right)
+        shortfall = np.where(better, short, shortfall)
+    v = delta.copy()
     v[:-1] = np.minimum(v[:-1], at_left)
     v[1:] = np.minimum(v[1:], at_right)
     v[-1] = 0.0
@@ -272,11 +349,16 @@ def chernoff_window(probs: np.ndarray, num_times: int, tail_mass: float) -> Tupl
     """
     n = probs.size
     upper, lower = (n - 1) * num_times, 0
-    idx = np.arange(n)
-    with np.errstate(divide="ignore"):
-        log_p = np.log(probs)
+    support = np.nonzero(probs > 0)[0]
+    if support.size == 0:
+        return lower, upper
+    idx = support.astype(float)
+    log_p = np.log(probs[support])
     for order in np.concatenate([np.arange(-20, 0), np.arange(1, 21)]) / n:
-        log_mgf = special.logsumexp(idx * order + log_p)
+        # log Σ p_i e^{t i}, shifted by its largest term (plain numpy: this runs 40 times).
+        exponent = idx * order + log_p
+        top = float(exponent.max())
+        log_mgf = top + math.log(float(np.exp(exponent - top).sum()))
         bound = (num_times * log_mgf + math.log(2.0 / tail_mass)) / order
         if not math.isfinite(bound):
             continue
