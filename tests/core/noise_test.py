@@ -211,35 +211,40 @@ def test_zero_noise_multiplier_adds_nothing():
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_accumulation_adds_noise_once_per_logical_step(k):
-    # Micro-step j hands g_j = (S_j + noise * [j == k-1]) / E_micro to Keras, which averages
-    # the k micro-gradients: the logical update is -lr (sum_j S_j + noise) / (k E_micro),
-    # and its noise std is sigma C / (k E_micro).
-    clip, sigma, micro, seed = 1.0, 2.0, 4.0, 21
+def test_apply_private_is_one_logical_step_whatever_the_accumulation(k):
+    # Accumulation happens in the train step (it hands apply_private the sum over its k
+    # micro-batches); apply_private itself is one logical step per call: it adds the noise
+    # N(0, sigma^2 C^2) of step t = iterations (seed [seed, t]), divides by E and applies,
+    # every call, exactly as with k = 1.
+    clip, sigma, expected, seed = 1.0, 2.0, 12.0, 21
     variables = _variables((150, 150))
+    ref_variables = _variables((150, 150))
     opt = DPSGD(clip, sigma, learning_rate=1.0, seed=seed, gradient_accumulation_steps=k)
-    for step in range(2):
-        start = variables[0].numpy().copy()
-        for j in range(k):
-            update = _zero_step(opt, variables, micro)[0]
-            if j < k - 1:
-                np.testing.assert_array_equal(update, 0.0)  # nothing moves mid-step
-        total = variables[0].numpy() - start
-        _check_gaussian(total, sigma * clip / (k * micro), f"logical step {step}")
+    ref = DPSGD(clip, sigma, learning_rate=1.0, seed=seed)
+    assert opt.accumulation_steps == k and opt.gradient_accumulation_steps is None
+    for step in range(3):
+        update = _zero_step(opt, variables, expected)[0]
+        assert int(opt.iterations) == step + 1
+        _check_gaussian(update, sigma * clip / expected, f"step {step}")
         (noise,) = gaussian_noise([((150, 150), tf.float32)], sigma * clip,
                                   tf.constant([seed, step], tf.int64))
-        np.testing.assert_allclose(total, -noise.numpy() / (k * micro), rtol=1e-5, atol=1e-7)
-    assert int(opt.iterations) == 2
+        np.testing.assert_allclose(update, -noise.numpy() / expected, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(update, _zero_step(ref, ref_variables, expected)[0])
 
 
-def test_accumulation_averages_the_clipped_sums():
-    k, micro = 3, 2.0
+def test_apply_private_with_accumulation_applies_the_sum_over_the_expected_size():
+    # sigma = 0: one call with the (already accumulated) clipped sum S moves the weights by
+    # -lr S / E at once: no averaging over k, no waiting for k calls.
+    k, expected, lr = 3, 2.0, 0.5
     variables = _variables((2, 2))
-    opt = DPSGD(1.0, 0.0, learning_rate=0.5, gradient_accumulation_steps=k)
-    sums = [np.array([[1, 2], [3, 4]], np.float32) * (j + 1) for j in range(k)]
+    opt = DPSGD(1.0, 0.0, learning_rate=lr, gradient_accumulation_steps=k)
+    sums = [np.array([[1, 2], [3, 4]], np.float32) * (j + 1) for j in range(2)]
+    want = np.zeros((2, 2), np.float32)
     for s in sums:
-        opt.apply_private([tf.constant(s)], variables, micro)
-    np.testing.assert_allclose(variables[0].numpy(), -0.5 * sum(sums) / (k * micro), rtol=1e-6)
+        opt.apply_private([tf.constant(s)], variables, expected)
+        want = want - lr * s / expected
+        np.testing.assert_allclose(variables[0].numpy(), want, rtol=1e-6)
+    assert int(opt.iterations) == 2
 
 
 # ------------------------------------------------------------------ inside fit()
@@ -289,23 +294,38 @@ def test_fit_noise_is_scaled_by_the_expected_not_the_realised_batch_size():
         _check_gaussian(update, sigma * clip / batch, f"step {step} (realised size {size})")
 
 
-def test_fit_with_accumulation_adds_noise_once_per_logical_step():
-    n, batch, k, clip, sigma, seed = 60, 12, 3, 1.0, 2.0, 9
+@pytest.mark.parametrize("use_sampler", [False, True], ids=["arrays", "sampler"])
+def test_fit_with_accumulation_adds_noise_once_per_logical_step(use_sampler):
+    # Zero gradients, k = 3 micro-batches of B = 4: every fit step is a logical step whose
+    # update is the noise of that step alone, once, over the expected logical size E = B k:
+    # N(0, (sigma C / E)^2), exactly -noise(seed, t) / E. Noise added per micro-batch would
+    # have sqrt(k) times that std (and differ from the seeded draw).
+    n, batch, k, clip, sigma, seed, steps = 60, 4, 3, 1.0, 2.0, 9, 3
+    expected = batch * k
     rng = np.random.default_rng(1)
     x = rng.normal(size=(n, 150)).astype("float32")
     y = np.zeros((n, 140), np.float32)
-    sampler = PoissonSampler(x, y, expected_batch_size=batch, accumulation_steps=k, seed=seed)
+    sampler = PoissonSampler(x, y, expected_batch_size=expected, seed=seed)
+    sizes = [int(b[0].shape[0]) for b in sampler.dataset(num_steps=steps)]
+    assert any(s != expected for s in sizes), sizes
     model = make_private(_wide_model())
     model.compile(optimizer=DPSGD(clip, sigma, learning_rate=1.0, seed=seed,
                                   gradient_accumulation_steps=k), loss=_zero_loss)
     log = _WeightLog()
-    model.fit(sampler, epochs=1, steps_per_epoch=k, callbacks=[log], verbose=0)
+    if use_sampler:
+        model.fit(sampler, epochs=1, steps_per_epoch=steps, callbacks=[log], verbose=0)
+    else:
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, callbacks=[log],
+                  verbose=0)
+    assert int(model.optimizer.iterations) == steps
     updates = _updates(log)
-    assert len(updates) == k
-    for u in updates[:-1]:
-        np.testing.assert_array_equal(u, 0.0)
-    # Normalised by the expected *logical* batch size q N = 12, noise std sigma C once.
-    _check_gaussian(updates[-1], sigma * clip / batch, "logical step")
+    assert len(updates) == steps
+    shapes = [(v.shape, tf.float32) for v in model.trainable_variables]
+    for step, (update, size) in enumerate(zip(updates, sizes)):
+        _check_gaussian(update, sigma * clip / expected, f"step {step} (realised size {size})")
+        noise = gaussian_noise(shapes, sigma * clip, tf.constant([seed, step], tf.int64))
+        want = np.concatenate([-z.numpy().ravel() / expected for z in noise])
+        np.testing.assert_allclose(update, want, rtol=1e-5, atol=1e-7)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def _ids(n):
 
 
 def _batches(sampler, steps):
-    """List of id arrays, one per micro-batch (only rows with sample weight > 0 if padded)."""
+    """List of id arrays, one per logical batch (only rows with sample weight > 0 if padded)."""
     out = []
     for element in sampler.dataset(num_steps=steps):
         xb, yb = element[0].numpy(), element[1].numpy()
@@ -123,33 +123,25 @@ def test_unseeded_samplers_differ():
     assert any(len(u) != len(v) or np.any(u != v) for u, v in zip(a, b))
 
 
-# ------------------------------------------------------------------ gradient accumulation
+# ------------------------------------------------------------------ one element, one logical step
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_micro_batches_are_disjoint_and_their_union_is_one_poisson_batch(k):
-    n, q, steps = 30, 0.4, 600
+def test_each_element_is_one_whole_logical_batch():
+    # With gradient accumulation the private train step splits each element into its k
+    # micro-batches (tests/keras/dp_model_test.py); the sampler itself knows nothing of k:
+    # fit(batch_size=B) with k asks for expected_batch_size = B k, and every element is a
+    # whole Poisson batch of that expected size (Binomial(N, q), q = B k / N), not a part.
+    n, micro, k, steps = 60, 4, 3, 1500
     x, y = _ids(n)
-    sampler = PoissonSampler(x, y, sampling_probability=q, accumulation_steps=k, seed=3)
-    micro = _batches(sampler, steps)
-    assert len(micro) == steps * k
-    unions = []
-    for t in range(steps):
-        parts = micro[t * k:(t + 1) * k]
-        union = np.concatenate(parts)
-        assert len(np.unique(union)) == len(union), f"step {t}: an example appears twice"
-        # Micro-batches split the logical batch evenly (sizes differ by at most one).
-        sizes = [len(p) for p in parts]
-        assert max(sizes) - min(sizes) <= 1, sizes
-        unions.append(union)
-    m = _indicator(unions, n)
-    _within(m.mean(), q, math.sqrt(q * (1 - q) / (n * steps)), "logical inclusion rate")
-    sizes = m.sum(axis=1).astype(np.float64)
-    var = n * q * (1 - q)
-    _within(sizes.mean(), n * q, math.sqrt(var / steps), "logical batch size")
-    mu4 = 3 * var ** 2 + var * (1 - 6 * q * (1 - q))
-    _within(sizes.var(ddof=1), var, math.sqrt((mu4 - var ** 2) / steps),
-            "logical batch size variance")
+    sampler = PoissonSampler(x, y, expected_batch_size=micro * k, seed=3)
+    q = sampler.sampling_probability
+    assert q == pytest.approx(micro * k / n) and sampler.steps_per_epoch == 5
+    m = _indicator(_batches(sampler, steps), n)
+    assert m.max() <= 1
+    sizes = m.sum(axis=1)
+    _within(sizes.mean(), micro * k, math.sqrt(n * q * (1 - q) / steps), "mean element size")
+    with pytest.raises(TypeError):
+        PoissonSampler(x, y, sampling_probability=q, accumulation_steps=2)  # removed, not ignored
 
 
 # ------------------------------------------------------------------ padding
@@ -178,8 +170,8 @@ def test_pad_to_pads_with_weight_zero_rows():
 
 
 def test_pad_to_gives_a_static_batch_axis():
-    # The point of pad_to (docstring: "pads every micro-batch to a static size ... for XLA
-    # or other static-shape needs") is a known batch axis in the dataset's element_spec.
+    # The point of pad_to (docstring: "pads every batch to a static size ... for XLA or
+    # other static-shape needs") is a known batch axis in the dataset's element_spec.
     x, y = _ids(20)
     ds = PoissonSampler(x, y, sampling_probability=0.3, pad_to=16, seed=1).dataset(num_steps=2)
     for spec in tf.nest.flatten(ds.element_spec):
@@ -210,10 +202,11 @@ def test_pad_to_raises_when_a_batch_exceeds_it():
 
 def test_expected_batch_size_is_q_times_n():
     x, y = _ids(50)
-    s = PoissonSampler(x, y, sampling_probability=0.1, accumulation_steps=2)
-    assert s.expected_batch_size == pytest.approx(5.0)
-    assert s.expected_micro_batch_size == pytest.approx(2.5)
-    assert s.steps_per_epoch == 10
+    s = PoissonSampler(x, y, sampling_probability=0.1)
+    assert s.expected_batch_size == pytest.approx(5.0)  # the logical batch: E = q N
+    assert s.steps_per_epoch == 10  # logical steps: round(1 / q)
+    assert PoissonSampler(x, y, sampling_probability=0.3).steps_per_epoch == 3  # round(3.33)
+    assert PoissonSampler(x, y, sampling_probability=0.1, steps_per_epoch=4).steps_per_epoch == 4
     s = PoissonSampler(x, y, expected_batch_size=8)
     assert s.sampling_probability == pytest.approx(8 / 50)
     assert s.expected_batch_size == pytest.approx(8.0)
@@ -241,8 +234,6 @@ def test_other_bad_arguments():
         PoissonSampler(x, y)
     with pytest.raises(ValueError, match="exactly one"):
         PoissonSampler(x, y, expected_batch_size=2, sampling_probability=0.2)
-    with pytest.raises(ValueError, match="`accumulation_steps`"):
-        PoissonSampler(x, y, sampling_probability=0.2, accumulation_steps=0)
     with pytest.raises(ValueError, match="`pad_to`"):
         PoissonSampler(x, y, sampling_probability=0.2, pad_to=0)
     with pytest.raises(ValueError, match="same length"):

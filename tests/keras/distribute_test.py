@@ -124,10 +124,11 @@ def test_mirrored_fixed_batches_match_one_device(request, k):
         return
     x, y = _data()
     # Clipping active (C below most per-example norms), sigma = 0: the clipped sum is a sum
-    # over examples, whichever replica holds them.
-    opt_fn = lambda: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
-                           momentum=0.9, gradient_accumulation_steps=k)
-    ds = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 8 = global batch
+    # over examples, whichever replica and micro-batch holds them.
+    opt_fn = lambda kk=k: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
+                                momentum=0.9, gradient_accumulation_steps=kk)
+    # 8 = global logical batch: each replica gets 4, split into k micro-batches of 4 / k.
+    ds = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
 
     def fit(model):
         model.fit(ds(), epochs=2, verbose=0)
@@ -135,29 +136,40 @@ def test_mirrored_fixed_batches_match_one_device(request, k):
     single = _train(None, opt_fn, fit)
     mirrored = _train(_strategy(), opt_fn, fit)
     assert mirrored.distribute_strategy.num_replicas_in_sync == 2
-    assert _steps(mirrored) == _steps(single) == 8 // k
+    assert _steps(mirrored) == _steps(single) == 8  # every fit step is a logical step
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single.get_weights(),
                                                              _mlp().get_weights()))
     assert moved > 1e-3
     for got, want in zip(mirrored.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if k > 1:  # accumulation is a memory knob: the weights of one device without it
+        plain = _train(None, lambda: opt_fn(1), fit)
+        for got, want in zip(mirrored.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_mirrored_poisson_sampling_matches_one_device(request):
+@pytest.mark.parametrize("k", [1, 2])
+def test_mirrored_poisson_sampling_matches_one_device(request, k):
     if not _in_two_cpu_process(request):
         return
     x, y = _data()
-    opt_fn = lambda: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1, seed=7)
+    opt_fn = lambda kk=k: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
+                                seed=7, gradient_accumulation_steps=kk)
 
-    def fit(model):
-        # Poisson batches with expected size 8, drawn from the optimizer's seed.
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    def fit_with(micro):
+        # Poisson batches of expected logical size micro * k = 8 (q = 1/4: 4 logical steps),
+        # drawn from the optimizer's seed.
+        return lambda model: model.fit(x, y, batch_size=micro, epochs=1, verbose=0)
 
-    single = _train(None, opt_fn, fit)
-    mirrored = _train(_strategy(), opt_fn, fit)
+    single = _train(None, opt_fn, fit_with(8 // k))
+    mirrored = _train(_strategy(), opt_fn, fit_with(8 // k))
     assert _steps(mirrored) == _steps(single) == 4
     for got, want in zip(mirrored.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if k > 1:
+        plain = _train(None, lambda: opt_fn(1), fit_with(8))
+        for got, want in zip(mirrored.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ noise once per global step
@@ -180,14 +192,16 @@ def test_mirrored_noise_is_added_once_per_global_step(request, k):
         model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
         model.compile(optimizer=DPSGD(clip, sigma, learning_rate=1.0, seed=seed,
                                       gradient_accumulation_steps=k), loss=_zero_loss)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-    model.fit(ds, epochs=1, verbose=0)  # k micro-batches of 8 = one logical step
+    # One logical batch of k * 8 examples: k * 4 per replica, in k micro-batches of 4 each.
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * k)
+    model.fit(ds, epochs=1, verbose=0)
     assert _steps(model) == 1
     update = np.concatenate([w.ravel() for w in model.get_weights()])
 
-    # Zero gradients: the update is the noise alone, divided by k micro-batches of global
-    # size 8 (k * 8 examples): N(0, (sigma C / (k 8))^2). Twice the noise (once per replica)
-    # would double its variance; the same seed on both replicas would double its std.
+    # Zero gradients: the update is the noise alone, divided by the logical batch size k * 8:
+    # N(0, (sigma C / (k 8))^2). Twice the noise (once per replica) would double its variance;
+    # the same seed on both replicas would double its std; noise once per micro-batch would
+    # multiply it by sqrt(k).
     std = sigma * clip / (k * batch)
     n = update.size
     assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std

@@ -158,10 +158,15 @@ def test_config_round_trip(cls, accumulation):
     for key, value in [("l2_norm_clip", 1.5), ("noise_multiplier", 0.7), ("seed", 42),
                        ("norm_strategy", "vmap")]:
         assert config[key] == value
+    # Accumulation is done by the private train step, never by Keras (whose conditional
+    # apply fails under MirroredStrategy): Keras' own attribute stays None.
+    assert config["gradient_accumulation_steps"] == accumulation
+    assert opt.accumulation_steps == accumulation and opt.gradient_accumulation_steps is None
     clone = cls.from_config(config)
     assert type(clone) is cls
     assert clone.get_config() == config
     assert clone.accumulation_steps == accumulation
+    assert clone.gradient_accumulation_steps is None
 
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert type(restored) is cls
