@@ -125,12 +125,14 @@ class PrivacyAccountant:
             return composition.Bounds(0.0, 0.0, 0.0, True)
         if self._has_noiseless_step():
             return composition.Bounds(math.inf, math.inf, 0.0, True)
+        margin = composition.horizon_margin(self.steps, delta)
         return composition.refine(
             self._phases,
             delta_floor=1e-2 * delta,
             query=lambda p: pld.epsilon_for_delta(p, delta),
             combine=max,
             tolerance=lambda u: max(self._epsilon_tolerance, self._epsilon_relative_tolerance * u),
+            horizon=lambda u: u + margin,
         )
 
     def epsilon(self, delta: float) -> float:
@@ -164,9 +166,11 @@ class PrivacyAccountant:
             return composition.Bounds(1.0, 1.0, 0.0, True)
         tol = lambda u: max(DELTA_ABS_TOLERANCE, DELTA_REL_TOLERANCE * u)  # noqa: E731
         query = lambda p: float(pld.delta_for_epsilon(p, epsilon)[0])  # noqa: E731
-        b = composition.refine(self._phases, 1e-12, query, max, tol)
+        steps = self.steps
+        horizon = lambda u: epsilon + composition.horizon_margin(steps, max(u, 1e-12))  # noqa: E731
+        b = composition.refine(self._phases, 1e-12, query, max, tol, horizon=horizon)
         if b.lower > 1e-9:  # the tail can be cut closer to the answer: finer lattice
-            b2 = composition.refine(self._phases, 1e-3 * b.lower, query, max, tol)
+            b2 = composition.refine(self._phases, 1e-3 * b.lower, query, max, tol, horizon=horizon)
             if b2.upper <= b.upper:
                 b = b2
         return b

@@ -220,6 +220,24 @@ def _log_excess_remove(epsilon: float, q: float) -> float:
     return epsilon + math.log1p(-(1.0 - q) * math.exp(-epsilon)) - math.log(q)
 
 
+def _log_excess(eps: np.ndarray, q: float, direction: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(inside, A): levels whose per-μ profile depends on μ, and the log-excess there.
+
+    remove: A = log((e^ε - (1 - q)) / q), inside for ε > log(1 - q);
+    add:    A = log((e^{-ε} - (1 - q)) / q), inside for ε < -log(1 - q).
+    The per-μ loss crosses the level at the output y* = A/μ + μ/2 (`_threshold`).
+    """
+    sign = 1.0 if direction == "remove" else -1.0
+    e = sign * eps
+    inside = e > (math.log1p(-q) if q < 1 else -math.inf)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        safe = np.where(inside, e, 0.0)
+        excess = np.where(
+            inside, safe + np.log1p(-(1.0 - q) * np.exp(-safe)) - math.log(q), 0.0
+        )
+    return inside, excess
+
+
 def _threshold(log_excess: np.ndarray, mu: np.ndarray) -> np.ndarray:
     """y* = A/μ + μ/2, the output at which the per-μ privacy loss crosses the level."""
     return log_excess / mu + 0.5 * mu
@@ -347,47 +365,52 @@ def step_profile(
         d, w = profile_fn(law.nodes[0], eps, q)
         return StepProfile(eps, d, d.copy(), w)
 
+    # Per level, only μ with |A/μ ± μ/2| ≤ 9 see a non-saturated profile, i.e. μ within 9 of
+    # sqrt(81 + 2|A|) (A: the log-excess of `_log_excess`). Below that range the per-μ profile
+    # equals its μ = 0 value, above it its μ = ∞ value: each Φ term is within Φ(-9) of 0 or 1,
+    # and the e^A-weighted one is bounded through the Mills ratio (e^A φ(y*) = φ(y* - μ)), so
+    # δ and e^ε Q(L > ε) are off by at most 2 Φ(-9) / (1 - q) (coefficients ≤ e^ε < 1/(1 - q)
+    # inside the add direction). That bound goes into the error margin. Levels are taken in
+    # chunks that share one node range.
+    inside, excess = _log_excess(eps, q, direction)
+    d_zero = np.maximum(-np.expm1(np.minimum(eps, 0.0)), 0.0)
+    with np.errstate(over="ignore"):
+        w_zero = np.where(eps < 0, np.exp(np.minimum(eps, 0.0)), 0.0)
+    d_inf, w_inf = profile_fn(np.inf, eps, q)
+    saturation = 2.0 * _PHI_MINUS_Z_TAIL / (1.0 - q if q < 1 else 1.0)
     kron = np.zeros_like(eps)
     gauss = np.zeros_like(eps)
     weighted = np.zeros_like(eps)
     pruned = np.zeros_like(eps)
-    floor = math.log1p(-q) if q < 1 else -math.inf
     cum_kron = np.concatenate([[0.0], np.cumsum(law.kronrod_weights)])
     cum_gauss = np.concatenate([[0.0], np.cumsum(law.gauss_weights)])
+    levels = 64
     start = 0
     while start < eps.size:
-        first, last = 0, law.nodes.size
-        stop = min(eps.size, start + max(1, chunk_size // max(1, law.nodes.size)))
-        if direction == "remove" and eps[start] > floor:
-            # In the remove direction only μ with |A/μ - μ/2| ≤ 9 matter at level ε: below that
-            # range δ_μ, σ_μ ≤ q Φ(-9) (skipped, the bound goes into the error margin); above it
-            # δ_μ = q and σ_μ ≤ q Φ(-9) (closed form). A chunk of levels shares one node range.
-            stop = min(eps.size, start + 64)
-            a_lo = _log_excess_remove(float(eps[start]), q)
-            a_hi = _log_excess_remove(float(eps[stop - 1]), q)
-            if a_lo > 0:
-                mu_cut = -_Z_TAIL + math.sqrt(_Z_TAIL**2 + 2.0 * a_lo)
-                first = int(np.searchsorted(law.nodes, mu_cut))
-            mu_sat = _Z_TAIL + math.sqrt(_Z_TAIL**2 + 2.0 * max(a_hi, 0.0))
-            last = max(first, int(np.searchsorted(law.nodes, mu_sat)))
+        stop = min(eps.size, start + levels)
         sl = slice(start, stop)
-        nodes = law.nodes[first:last, None]
-        d, w = profile_fn(nodes, eps[None, sl], q)
-        kron[sl] = law.kronrod_weights[first:last] @ d + q * (cum_kron[-1] - cum_kron[last])
-        gauss[sl] = law.gauss_weights[first:last] @ d + q * (cum_gauss[-1] - cum_gauss[last])
-        weighted[sl] = law.kronrod_weights[first:last] @ w
-        outside = cum_kron[first] + cum_kron[-1] - cum_kron[last]
-        pruned[sl] = q * _PHI_MINUS_Z_TAIL * outside
+        a = np.abs(excess[sl][inside[sl]])
+        if a.size:
+            mu_lo = math.sqrt(_Z_TAIL**2 + 2.0 * float(a.min())) - _Z_TAIL
+            mu_hi = math.sqrt(_Z_TAIL**2 + 2.0 * float(a.max())) + _Z_TAIL
+            first = int(np.searchsorted(law.nodes, mu_lo))
+            last = max(first, int(np.searchsorted(law.nodes, mu_hi, side="right")))
+        else:  # no level depends on μ: every node gives the closed form
+            first = last = 0
+        d, w = profile_fn(law.nodes[first:last, None], eps[None, sl], q)
+        below_k, above_k = cum_kron[first], cum_kron[-1] - cum_kron[last]
+        below_g, above_g = cum_gauss[first], cum_gauss[-1] - cum_gauss[last]
+        kron[sl] = law.kronrod_weights[first:last] @ d + below_k * d_zero[sl] + above_k * d_inf[sl]
+        gauss[sl] = law.gauss_weights[first:last] @ d + below_g * d_zero[sl] + above_g * d_inf[sl]
+        weighted[sl] = (
+            law.kronrod_weights[first:last] @ w + below_k * w_zero[sl] + above_k * w_inf[sl]
+        )
+        pruned[sl] = np.where(inside[sl], (below_k + above_k) * saturation, 0.0)
         start = stop
     error = np.abs(kron - gauss) + pruned
 
-    d_inf, w_inf = profile_fn(np.inf, eps, q)
     d_top, w_top = profile_fn(law.mu_top, eps, q)
     d_bottom, w_bottom = profile_fn(law.mu_bottom, eps, q)
-    if direction == "remove":
-        d_zero = np.maximum(-np.expm1(np.minimum(eps, 0.0)), 0.0)
-    else:
-        d_zero = np.zeros_like(eps)
     upper = kron + error + law.mass_above * d_inf + law.mass_below * d_bottom
     lower = np.maximum(kron - error, 0.0) + law.mass_above * d_top + law.mass_below * d_zero
     weighted = weighted + law.mass_above * w_top + law.mass_below * w_bottom

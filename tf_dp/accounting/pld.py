@@ -231,6 +231,7 @@ def optimistic_pld(
     weighted_q_tail: np.ndarray,
     midpoint_delta: np.ndarray,
     midpoint_weighted_q_tail: np.ndarray,
+    total_mass: float = 1.0,
 ) -> LatticePld:
     """Tangent-line PLD (a lower bound) from δ lower bounds at lattice points and cell midpoints.
 
@@ -246,6 +247,8 @@ def optimistic_pld(
       weighted_q_tail: e^{ε_j} Q(L > ε_j).
       midpoint_delta: lower bounds on δ at the cell midpoints (length n - 1).
       midpoint_weighted_q_tail: e^{m} Q(L > m) at the midpoints.
+      total_mass: P-mass of the distribution (below 1 for an optimistic PLD that dropped mass):
+        δ at ε → -∞.
 
     Returns:
       The lattice PLD.
@@ -292,7 +295,8 @@ def optimistic_pld(
     v = np.maximum(v, 0.0)
     # ε_0 is at or below the smallest loss (up to ~1e-19 of P-mass), where δ is linear in e^ε:
     # the chord from (0, 1) to (x_0, v_0 ≤ δ(x_0)) lies below δ.
-    at_zero = 1.0
+    at_zero = min(float(total_mass), 1.0)
+    v = np.minimum(v, at_zero)
     v = _lower_convex_values(eps, v, at_zero)
     masses = np.maximum(ctd_masses(eps, v, at_zero, 0.0), 0.0)
     return LatticePld(discretization, int(k[0]), _dense(k, masses), 0.0, False)
@@ -451,6 +455,53 @@ def delta_for_epsilon(pld: LatticePld, epsilons: Union[float, Sequence[float]]) 
     loss_k = (pld.offset + kk) * d
     out[inside] += upper[kk] - np.exp(eps[inside] - loss_k) * weighted[kk]
     return np.clip(out, 0.0, 1.0)
+
+
+def weighted_q_tail(pld: LatticePld, epsilons: np.ndarray) -> np.ndarray:
+    """e^ε Q(L > ε) = Σ_{ℓ > ε} p_ℓ e^{ε - ℓ}: minus the slope of δ in x = e^ε, scaled by x."""
+    eps = np.atleast_1d(np.asarray(epsilons, dtype=float))
+    _, weighted = _tail_sums(pld)
+    d = pld.discretization
+    k = np.floor(eps / d + 1e-9).astype(np.float64) + 1 - pld.offset
+    k = np.clip(k, 0, pld.size).astype(np.int64)
+    out = np.zeros(eps.shape)
+    inside = k < pld.size
+    kk = k[inside]
+    out[inside] = weighted[kk] * np.exp(eps[inside] - (pld.offset + kk) * d)
+    return out
+
+
+def coarsen(pld: LatticePld, factor: int) -> LatticePld:
+    """The PLD moved to the lattice of step factor·Δ, in its own direction.
+
+    The δ curve of a lattice PLD is known exactly everywhere (1). Pessimistic: connect-the-dots
+    through its values at the coarse points (chords of a convex function lie above it).
+    Optimistic: `optimistic_pld` from its values and slopes at the coarse points and midpoints
+    (tangents lie below it). Either way the result bounds the input's δ in the input's
+    direction, hence the true δ. Used after composing a block of steps on a fine lattice: the
+    composed PLD is smooth on the coarse scale, so little is lost (two-level composition).
+    """
+    if factor == 1:
+        return pld
+    lo = math.floor(pld.offset / factor)
+    hi = -((-(pld.offset + pld.size - 1)) // factor) + 1  # one coarse point past the support
+    k = np.arange(lo, hi + 1)
+    coarse = pld.discretization * factor
+    eps = k * coarse
+    if pld.pessimistic:
+        delta = delta_for_epsilon(pld, eps)
+        delta[-1] = pld.infinity_mass
+        return pessimistic_pld(k, coarse, delta)
+    mid = 0.5 * (eps[1:] + eps[:-1])
+    return optimistic_pld(
+        k,
+        coarse,
+        delta_for_epsilon(pld, eps),
+        weighted_q_tail(pld, eps),
+        delta_for_epsilon(pld, mid),
+        weighted_q_tail(pld, mid),
+        total_mass=float(pld.probs.sum()),
+    )
 
 
 def epsilon_for_delta(pld: LatticePld, delta: float) -> float:
