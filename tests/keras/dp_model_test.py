@@ -562,9 +562,6 @@ def test_every_fit_step_is_a_logical_step():
                                    rtol=1e-6, err_msg=mode)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tf_dp bug: rows added by PoissonSampler(pad_to=...) (sample weight 0) are counted by the "
-    "compiled `metrics` (Keras metrics are unweighted): _dp_update_metrics passes them on"))
 @pytest.mark.parametrize("k", [1, 3])
 def test_padding_rows_are_invisible_to_the_logged_metrics(k):
     # pad_to is a static-shape device, not data: with the same seed the padded sampler must
@@ -585,10 +582,6 @@ def test_padding_rows_are_invisible_to_the_logged_metrics(k):
 
 
 @pytest.mark.filterwarnings(_FIXED)
-@pytest.mark.xfail(strict=True, reason=(
-    "tf_dp bug: fit(poisson_sampling=False) without batch_size uses Keras' default batch of "
-    "32 as the logical batch, while the Poisson path uses 32 * k (dp_model.py fit: "
-    "`if batch_size is not None: batch_size = batch_size * k`)"))
 def test_the_default_batch_size_is_one_micro_batch_in_both_sampling_modes():
     # Keras' default batch_size (32) is one micro-batch, as an explicit one is: with k = 2 and
     # N = 128 the logical batch is 64 and an epoch is 2 logical steps with either sampling.

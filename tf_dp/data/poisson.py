@@ -24,7 +24,8 @@ class PoissonSampler:
         ``sampling_probability``).
       sampling_probability: q in (0, 1].
       steps_per_epoch: logical steps per epoch; default round(1/q).
-      pad_to: optional static micro-batch size (examples beyond it raise an error).
+      pad_to: optional static (logical) batch size: batches are padded to it with weight-0
+        rows; a sample larger than it raises an error.
       seed: int seed; None draws a secret one from the OS.
 
     Reference: Abadi et al. 2016 and Mironov, Talwar, Zhang 2019 (sampled Gaussian

@@ -147,17 +147,18 @@ class DPTrainMixin:
                                callbacks=callbacks, validation_data=validation_data,
                                steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch,
                                **kwargs)
+        if _is_array_like(x):
+            # Keras semantics: `batch_size` (default 32) is one micro-batch; each Keras batch
+            # is one logical batch of k of them.
+            batch_size = (batch_size or 32) * k
         self._dp_set_sampling(None, None, poisson=False)
         warnings.warn(_FIXED_BATCH_NOTE, stacklevel=2)
         print(_FIXED_BATCH_NOTE)
-        q = _fixed_batch_rate(x, batch_size and batch_size * k, validation_split,
-                              kwargs.pop("dataset_size", None))
+        q = _fixed_batch_rate(x, batch_size, validation_split, kwargs.pop("dataset_size", None))
         privacy = PrivacyCallback(q, assumes_poisson=False)
         if self._dp_budget_spent(privacy):
             return self.history if getattr(self, "history", None) else None
         callbacks = [privacy] + list(callbacks or [])
-        if batch_size is not None:
-            batch_size = batch_size * k  # each Keras batch is one logical batch
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, validation_split=validation_split,
                            validation_data=validation_data, shuffle=shuffle,
@@ -235,14 +236,20 @@ class DPTrainMixin:
         return list(out[1:])
 
     def _dp_update_metrics(self, x, y, result, sample_weight):
+        y_pred = result.y_pred
         if sample_weight is not None:
-            included = tf.reduce_sum(tf.cast(tf.reshape(sample_weight, [tf.shape(
-                result.losses)[0], -1])[:, 0] > 0, result.losses.dtype))
+            # Rows of weight 0 (Poisson padding) are not examples: keep them out of every
+            # metric, including Keras' unweighted `metrics=`.
+            keep = tf.reshape(sample_weight, [tf.shape(result.losses)[0], -1])[:, 0] > 0
+            included = tf.reduce_sum(tf.cast(keep, result.losses.dtype))
+            take = lambda s: tf.nest.map_structure(
+                lambda t: None if t is None else tf.boolean_mask(t, keep), s)
+            x, y, y_pred, sample_weight = take(x), take(y), take(y_pred), take(sample_weight)
         else:
             included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
         self._loss_tracker.update_state(mean_loss, sample_weight=included)
-        self.compute_metrics(x, y, result.y_pred, sample_weight=sample_weight)
+        self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def compile_from_config(self, config):
         """Re-compiles a loaded model (``compile`` is overridden, so Keras would skip it)."""
