@@ -132,7 +132,8 @@ class PrivacyAccountant:
             query=lambda p: pld.epsilon_for_delta(p, delta),
             combine=max,
             tolerance=lambda u: max(self._epsilon_tolerance, self._epsilon_relative_tolerance * u),
-            horizon=lambda u: u + margin,
+            # Heavy (JL) tails put mass just above ε: leave room for it (P(L > 1.25 ε) < δ).
+            horizon=lambda u: u + max(margin, 0.25 * u),
         )
 
     def epsilon(self, delta: float) -> float:
@@ -167,7 +168,9 @@ class PrivacyAccountant:
         tol = lambda u: max(DELTA_ABS_TOLERANCE, DELTA_REL_TOLERANCE * u)  # noqa: E731
         query = lambda p: float(pld.delta_for_epsilon(p, epsilon)[0])  # noqa: E731
         steps = self.steps
-        horizon = lambda u: epsilon + composition.horizon_margin(steps, max(u, 1e-12))  # noqa: E731
+        horizon = lambda u: epsilon + max(  # noqa: E731
+            composition.horizon_margin(steps, max(u, 1e-12)), 0.25 * epsilon
+        )
         b = composition.refine(self._phases, 1e-12, query, max, tol, horizon=horizon)
         if b.lower > 1e-9:  # the tail can be cut closer to the answer: finer lattice
             b2 = composition.refine(self._phases, 1e-3 * b.lower, query, max, tol, horizon=horizon)

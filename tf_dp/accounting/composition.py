@@ -47,11 +47,15 @@ _MAX_DENSE_POINTS = 1 << 11
 # Steps composed on the fine lattice before moving a block to the coarse one.
 _BLOCK_STEPS = 64
 # A phase whose single-level composed lattice would exceed this many points uses two levels.
-_MAX_FINE_POINTS = 1 << 19
+_MAX_FINE_POINTS = 1 << 17
 # Points aimed at for the coarse lattice of two-level composition.
 _COARSE_POINTS = 1 << 17
 # Tail floors tried below the requested one (the first pass's cap must stay cheap).
 _TIGHT_FLOOR_FACTOR = 1e-6
+# μ at which heavy-tailed JL phases are split into bulk and tail (a per-step loss scale of μ²/2 = 32).
+_MU_SPLIT = 8.0
+# Binomial tail mass of the number of tail steps neglected by the optimistic split composition.
+_SPLIT_TAIL_MASS = 1e-18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +94,42 @@ def directions(sampling_probability: float) -> Tuple[str, ...]:
     return ("remove",) if sampling_probability == 1.0 else ("remove", "add")
 
 
-def _law(noise_multiplier: float, num_projections: Optional[int], mu_saturation: float):
+def _law(
+    noise_multiplier: float,
+    num_projections: Optional[int],
+    mu_saturation: float,
+    part: Optional[str] = None,
+):
+    """Law of μ; part "bulk"/"tail": conditional on μ ≤ / > `_MU_SPLIT` (`split_phase`)."""
     if num_projections is None:
         return mechanisms.gaussian_mu_law(noise_multiplier)
-    return mechanisms.jl_mu_law(noise_multiplier, num_projections, mu_saturation)
+    if part is None:
+        return mechanisms.jl_mu_law(noise_multiplier, num_projections, mu_saturation)
+    split = mechanisms.split_jl_mu_law(noise_multiplier, num_projections, mu_saturation, _MU_SPLIT)
+    return split[1] if part == "bulk" else split[2]
+
+
+def _bulk_cap(sampling_probability: float) -> float:
+    """Loss level above which a step with μ ≤ `_MU_SPLIT` has P-mass < q Φ(-9): the q-component's
+    output y ≤ μ + 9 gives L ≤ log(1 - q + q e^{μ²/2 + 9μ})."""
+    mu = _MU_SPLIT
+    return math.log1p(-sampling_probability + sampling_probability * math.exp(0.5 * mu * mu + 9.0 * mu)) + 1.0
+
+
+def split_phase(phase: Phase, cap: float) -> Optional[float]:
+    """P(μ > `_MU_SPLIT`) when the phase's remove direction is composed as bulk ⊛ tail, else None.
+
+    Split when the one-step tail reaches far beyond what μ ≤ `_MU_SPLIT` can produce (JL with
+    few projections): the bulk then needs a fine lattice over a short range only, the rare large-μ
+    steps a coarse one over the long range (`_compose_split`).
+    """
+    if phase.num_projections is None or cap <= 2.0 * _bulk_cap(phase.sampling_probability):
+        return None
+    mu_sat = mechanisms.jl_saturation_mu(cap, phase.sampling_probability)
+    split = mechanisms.split_jl_mu_law(
+        phase.noise_multiplier, phase.num_projections, mu_sat, _MU_SPLIT
+    )
+    return None if split is None else split[0]
 
 
 @functools.lru_cache(maxsize=128)
@@ -186,11 +222,14 @@ def step_plds(
     direction: str,
     discretization: float,
     eps_hi: float,
+    part: Optional[str] = None,
+    mu_saturation: Optional[float] = None,
 ) -> Tuple[pld.LatticePld, pld.LatticePld]:
-    """(pessimistic, optimistic) one-step lattice PLDs in one direction."""
+    """(pessimistic, optimistic) one-step lattice PLDs in one direction (of the conditional
+    mechanism given μ ≤ or > `_MU_SPLIT` for part "bulk" / "tail")."""
     q = sampling_probability
-    mu_sat = mechanisms.jl_saturation_mu(eps_hi, q)
-    law = _law(noise_multiplier, num_projections, mu_sat)
+    mu_sat = mechanisms.jl_saturation_mu(eps_hi, q) if mu_saturation is None else mu_saturation
+    law = _law(noise_multiplier, num_projections, mu_sat, part)
     lowest, highest = mechanisms.loss_support(law, q, direction)
     top = eps_hi if highest is None else min(eps_hi, highest)
     k_lo = math.floor(lowest / discretization)
@@ -226,6 +265,44 @@ def _compose_steps(step: pld.LatticePld, count: int, factor: int, limit: float) 
     return out
 
 
+def _binomial_quantile_bound(n: int, p: float, tail: float) -> int:
+    """A j with P(Binomial(n, p) > j) ≤ tail, from the Chernoff bound P(J ≥ j) ≤ e^{-τ} (eτ/j)^j,
+    τ = np: scipy's isf does not reach tails like 1e-18."""
+    tau = n * p
+    j = max(1, math.ceil(tau))
+    while j < n and j * math.log(math.e * tau / j) - tau > math.log(tail):
+        j += 1 + j // 64
+    return min(j, n)
+
+
+def _compose_split(
+    bulk_step: pld.LatticePld,
+    tail_step: pld.LatticePld,
+    p_tail: float,
+    count: int,
+    factor: int,
+    limit: float,
+) -> pld.LatticePld:
+    """`count` steps that are each, with μ revealed, a bulk step (prob. 1 - p) or a tail step (p).
+
+    With J ~ Binomial(count, p) tail steps, the composition is the J-mixture of
+    B^{count - J} ⊛ T^J. Pessimistic: B^{count - J} ≤ B^count (more steps, more loss), so it is
+    bounded by B^count ⊛ Z^count with Z = (1 - p)·{0} + p·T (a tail step or nothing), whose
+    count-fold power is exactly the J-mixture of T^J. Optimistic: B^{count - J} ≥ B^{count - j_max}
+    for J ≤ j_max, with P(J > j_max) < `_SPLIT_TAIL_MASS` dropped. B lives on the fine lattice
+    (short range, light tail), Z on the coarse one (`tail_step`'s), up to `limit`.
+    """
+    coarse_cap = math.ceil(limit / tail_step.discretization)
+    nulls = pld.self_compose(pld.with_null_outcome(tail_step, p_tail), count, cap_index=coarse_cap)
+    bulk_count = count
+    if not bulk_step.pessimistic:
+        bulk_count = count - min(_binomial_quantile_bound(count, p_tail, _SPLIT_TAIL_MASS), count)
+    if bulk_count == 0:
+        return nulls
+    bulk = _compose_steps(bulk_step, bulk_count, factor, limit)
+    return pld.compose(bulk, nulls, cap_index=coarse_cap)
+
+
 def _single_level_points(step: pld.LatticePld, count: int, limit: float) -> int:
     """Size of the `count`-fold composed lattice on the step's own lattice (Chernoff window,
     cut at `limit`)."""
@@ -253,37 +330,67 @@ def composed_plds(
       {direction: (pessimistic, optimistic)}, all on one lattice (Δ or a multiple of it).
     """
     all_dirs = sorted({d for p in phases for d in directions(p.sampling_probability)})
-    steps, limits = {}, []
+    steps, limits, splits = {}, [], []
     for phase, cap in zip(phases, caps):
         phase_limit = 2.0 * cap if limit is None else limit
         limits.append(phase_limit)
+        splits.append(split_phase(phase, cap))
         for direction in all_dirs:
             # A q = 1 phase is symmetric: its remove PLD is its add PLD.
             d = direction if direction in directions(phase.sampling_probability) else "remove"
+            part, step_cap = None, min(cap, phase_limit)
+            if splits[-1] is not None and d == "remove":
+                part, step_cap = "bulk", min(_bulk_cap(phase.sampling_probability), phase_limit)
             steps[phase, direction] = step_plds(
                 phase.noise_multiplier,
                 phase.sampling_probability,
                 phase.num_projections,
                 d,
                 discretization,
-                min(cap, phase_limit),
+                step_cap,
+                part,
             )
-    # One coarse lattice for all phases, fine enough for the largest composed phase.
+    # One coarse lattice for all phases, fine enough for the largest composed phase; a split
+    # phase's tail spans its whole horizon on it.
     factor = 1
-    for (phase, _), (upper, _) in steps.items():
-        points = _single_level_points(upper, phase.count, limits[phases.index(phase)])
-        if points > _MAX_FINE_POINTS and phase.count >= 2 * _BLOCK_STEPS:
-            factor = max(factor, -(-points // _COARSE_POINTS))
+    for i, phase in enumerate(phases):
+        for direction in all_dirs:
+            upper = steps[phase, direction][0]
+            points = _single_level_points(upper, phase.count, limits[i])
+            if points > _MAX_FINE_POINTS and phase.count >= 2 * _BLOCK_STEPS:
+                factor = max(factor, -(-points // _COARSE_POINTS))
+        if splits[i] is not None:
+            factor = max(factor, -(-math.ceil(limits[i] / discretization) // _COARSE_POINTS))
     coarse = discretization * factor
     total_cap = math.ceil(max(limits) / coarse) if limit is not None else None
     result = {}
     for direction in all_dirs:
         acc = [None, None]
-        for phase, phase_limit in zip(phases, limits):
-            for i in range(2):
-                composed = _compose_steps(steps[phase, direction][i], phase.count, factor, phase_limit)
-                acc[i] = (
-                    composed if acc[i] is None else pld.compose(acc[i], composed, cap_index=total_cap)
+        for i, phase in enumerate(phases):
+            d = direction if direction in directions(phase.sampling_probability) else "remove"
+            tails = None
+            if splits[i] is not None and d == "remove":
+                mu_sat = mechanisms.jl_saturation_mu(caps[i], phase.sampling_probability)
+                tails = step_plds(
+                    phase.noise_multiplier,
+                    phase.sampling_probability,
+                    phase.num_projections,
+                    d,
+                    coarse,
+                    min(caps[i], limits[i]),
+                    "tail",
+                    mu_sat,
+                )
+            for j in range(2):
+                step = steps[phase, direction][j]
+                if tails is None:
+                    composed = _compose_steps(step, phase.count, factor, limits[i])
+                else:
+                    composed = _compose_split(
+                        step, tails[j], splits[i], phase.count, factor, limits[i]
+                    )
+                acc[j] = (
+                    composed if acc[j] is None else pld.compose(acc[j], composed, cap_index=total_cap)
                 )
         result[direction] = (acc[0], acc[1])
     return result
@@ -294,14 +401,21 @@ def _estimated_size(
 ) -> int:
     """Rough size of the fine lattice (heavy phases are bounded by the horizon or 2 ε_hi)."""
     top = math.inf if limit is None else limit + 10.0
-    return int(
-        sum(min(2 * c, 10 + 4 * math.sqrt(p.count) * c, top) for p, c in zip(phases, caps))
-        / discretization
-    )
+    size = 0.0
+    for p, c in zip(phases, caps):
+        if split_phase(p, c) is not None:  # fine lattice: the bulk only
+            c = _bulk_cap(p.sampling_probability)
+        size += min(2 * c, 10 + 4 * math.sqrt(p.count) * c, top)
+    return int(size / discretization)
 
 
-def _initial_discretization(caps: Sequence[float]) -> float:
-    return max(1e-3, 2.0 * max(caps) / (1 << 15))
+def _initial_discretization(caps: Sequence[float], phases: Sequence[Phase] = ()) -> float:
+    """First Δ: the phases' one-step lattices (a split phase's bulk) of about 2^14 points."""
+    reach = [
+        _bulk_cap(p.sampling_probability) if split_phase(p, c) is not None else c
+        for p, c in zip(phases, caps)
+    ] or list(caps)
+    return max(1e-3, 2.0 * max(reach) / (1 << 15))
 
 
 def refine(
@@ -329,12 +443,14 @@ def refine(
       `Bounds`.
     """
     caps, tight_caps = _phase_caps(phases, delta_floor)
-    delta_step = discretization or _initial_discretization(caps)
+    delta_step = discretization or _initial_discretization(caps, phases)
     limit = None
+    upper, lower = math.inf, -math.inf
     while True:
         plds = composed_plds(phases, delta_step, caps, limit)
-        upper = combine([query(u) for u, _ in plds.values()])
-        lower = combine([query(l) for _, l in plds.values()])
+        # Every pass gives valid bounds: keep the tightest of all passes.
+        upper = min(upper, combine([query(u) for u, _ in plds.values()]))
+        lower = max(lower, combine([query(l) for _, l in plds.values()]))
         lower = min(lower, upper)
         done = upper == lower or (math.isinf(upper) and math.isinf(lower))
         if done or upper - lower <= tolerance(upper):
@@ -346,7 +462,7 @@ def refine(
                 limit = new_limit
                 caps = [min(c, limit) for c in tight_caps]
                 # A much shorter lattice: start the refinement over from its own initial step.
-                finer = min(finer, _initial_discretization(caps))
+                finer = min(finer, _initial_discretization(caps, phases))
         too_big = _estimated_size(phases, finer, caps, limit) > MAX_WINDOW
         if discretization is not None or too_big:
             return Bounds(lower, upper, delta_step, False)

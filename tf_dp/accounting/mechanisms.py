@@ -154,16 +154,20 @@ def jl_mu_law(
     noise_multiplier: float,
     num_projections: int,
     mu_saturation: float,
-    num_quantile_panels: int = 32,
-    mu_step: float = 0.5,
-    mu_ratio: float = 1.05,
+    num_quantile_panels: int = 20,
+    mu_step: float = 1.0,
+    mu_step_far: float = 2.0,
+    mu_split: Optional[float] = None,
 ) -> MuLaw:
     """Quadrature panels for μ = sqrt(r / X) / σ with X ~ χ²_r (Bu et al. 2021, Thm. 4.1).
 
     Panel breakpoints are the union of (a) quantiles of μ at normal scores in [-9, 9], which
     resolve the density of μ (it is very narrow for large r), and (b) a grid of step `mu_step` in
-    μ, growing geometrically by `mu_ratio` past μ = 20, which resolves the O(1)-wide transitions
-    of the per-μ profile in μ. Panels stop at `mu_saturation`, beyond which the per-μ profile is
+    μ up to 20 and `mu_step_far` beyond, which resolves the transitions of the per-μ profile in
+    μ: at level ε it jumps around μ = sqrt(2A) over a width O(1) in μ whatever the level, so
+    the panels must stay O(1) wide far out too (a geometric grid there left a 2% quadrature error
+    estimate at ε ~ 10^6 for r = 2). Only the panels near the transition are evaluated at each
+    level (`step_profile`). Panels stop at `mu_saturation`, beyond which the per-μ profile is
     replaced by its μ → ∞ limit (an upper bound, since the subsampled Gaussian profile grows
     with μ).
 
@@ -173,7 +177,8 @@ def jl_mu_law(
       mu_saturation: μ above which the mechanism is treated as the μ → ∞ limit.
       num_quantile_panels: panels from the quantile grid.
       mu_step: μ-grid step below 20.
-      mu_ratio: geometric growth of the μ grid above 20.
+      mu_step_far: μ-grid step above 20.
+      mu_split: an extra panel breakpoint (so that the law can be split there).
 
     Returns:
       The discretised law.
@@ -186,8 +191,9 @@ def jl_mu_law(
     mu_bottom = float(mu_q[0])
     mu_top = float(min(mu_q[-1], mu_saturation))
     uniform = np.arange(0.0, min(20.0, mu_top) + mu_step, mu_step)
-    geometric = 20.0 * mu_ratio ** np.arange(0, max(0, math.ceil(math.log(max(mu_top, 20.0) / 20.0) / math.log(mu_ratio))) + 1)
-    breaks = np.concatenate([mu_q, uniform, geometric, [mu_bottom, mu_top]])
+    far = np.arange(20.0, max(mu_top, 20.0) + mu_step_far, mu_step_far)
+    extra = [] if mu_split is None else [mu_split]
+    breaks = np.concatenate([mu_q, uniform, far, [mu_bottom, mu_top], extra])
     breaks = np.unique(breaks[(breaks >= mu_bottom) & (breaks <= mu_top)])
 
     # Probability of each panel, from the χ² cdf (accurate in both tails).
@@ -211,6 +217,46 @@ def jl_mu_law(
     # Dropped empty panels are moved to the top (largest μ): pessimistic.
     mass_above = float(chi2.cdf(_chi2_from_mu(np.array([mu_top]), noise_multiplier, num_projections))[0]) + dropped
     return MuLaw(nodes, kronrod, gauss, mu_bottom, mu_top, mass_below, mass_above)
+
+
+@functools.lru_cache(maxsize=64)
+def split_jl_mu_law(
+    noise_multiplier: float, num_projections: int, mu_saturation: float, mu_split: float
+) -> Optional[Tuple[float, MuLaw, MuLaw]]:
+    """The JL law of μ split at `mu_split`: (P(μ > mu_split), law given μ ≤ it, law given μ > it).
+
+    One JL step is the mixture, with μ revealed, of its two conditional mechanisms, so its PLD is
+    the same mixture of theirs. Returns None when the split point is outside the panels.
+    """
+    law = jl_mu_law(noise_multiplier, num_projections, mu_saturation, mu_split=mu_split)
+    if not law.mu_bottom < mu_split < law.mu_top:
+        return None
+    x = _chi2_from_mu(np.array([mu_split]), noise_multiplier, num_projections)
+    chi2 = stats.chi2(num_projections)
+    p_tail = float(chi2.cdf(x)[0])  # P(μ > mu_split) = P(X < x(mu_split))
+    p_bulk = float(chi2.sf(x)[0])
+    if p_tail <= 0.0 or p_bulk <= 0.0:
+        return None
+    below = law.nodes < mu_split
+    bulk = MuLaw(
+        law.nodes[below],
+        law.kronrod_weights[below] / p_bulk,
+        law.gauss_weights[below] / p_bulk,
+        law.mu_bottom,
+        mu_split,
+        law.mass_below / p_bulk,
+        0.0,
+    )
+    tail = MuLaw(
+        law.nodes[~below],
+        law.kronrod_weights[~below] / p_tail,
+        law.gauss_weights[~below] / p_tail,
+        mu_split,
+        law.mu_top,
+        0.0,
+        min(law.mass_above / p_tail, 1.0),
+    )
+    return p_tail, bulk, tail
 
 
 def _log_excess_remove(epsilon: float, q: float) -> float:
@@ -339,21 +385,19 @@ def step_profile(
     epsilons: np.ndarray,
     sampling_probability: float,
     direction: str,
-    chunk_size: int = 1 << 20,
 ) -> StepProfile:
     """Privacy profile of one step whose μ follows `law`, in the given direction.
 
     δ_mix(ε) = E_μ[δ_μ(ε)] (μ revealed: the privacy loss distribution of the pair is the μ-mixture
     of the per-μ ones). Mass above `law.mu_top` uses the μ → ∞ limit (upper bound) or μ_top
     (lower bound); mass below `law.mu_bottom` uses μ_bottom (upper) or μ = 0, i.e. δ = (1-e^ε)_+
-    in the remove direction and 0 in the add direction (lower).
+    (lower; every pair has δ(ε) ≥ 1 - e^ε).
 
     Args:
       law: discretised law of μ.
       epsilons: loss levels, 1-D.
       sampling_probability: q.
       direction: "remove" or "add".
-      chunk_size: number of (node, ε) pairs evaluated at once (memory bound).
 
     Returns:
       A `StepProfile`.
@@ -384,19 +428,24 @@ def step_profile(
     pruned = np.zeros_like(eps)
     cum_kron = np.concatenate([[0.0], np.cumsum(law.kronrod_weights)])
     cum_gauss = np.concatenate([[0.0], np.cumsum(law.gauss_weights)])
-    levels = 64
     start = 0
     while start < eps.size:
-        stop = min(eps.size, start + levels)
-        sl = slice(start, stop)
-        a = np.abs(excess[sl][inside[sl]])
-        if a.size:
+        # Up to 64 levels; fewer where their μ windows spread (sparse far levels).
+        levels = 64
+        while True:
+            stop = min(eps.size, start + levels)
+            sl = slice(start, stop)
+            a = np.abs(excess[sl][inside[sl]])
+            if a.size == 0:  # no level depends on μ: every node gives the closed form
+                first = last = 0
+                break
             mu_lo = math.sqrt(_Z_TAIL**2 + 2.0 * float(a.min())) - _Z_TAIL
             mu_hi = math.sqrt(_Z_TAIL**2 + 2.0 * float(a.max())) + _Z_TAIL
-            first = int(np.searchsorted(law.nodes, mu_lo))
-            last = max(first, int(np.searchsorted(law.nodes, mu_hi, side="right")))
-        else:  # no level depends on μ: every node gives the closed form
-            first = last = 0
+            if mu_hi - mu_lo <= 4.0 * _Z_TAIL or levels == 1:
+                first = int(np.searchsorted(law.nodes, mu_lo))
+                last = max(first, int(np.searchsorted(law.nodes, mu_hi, side="right")))
+                break
+            levels //= 2
         d, w = profile_fn(law.nodes[first:last, None], eps[None, sl], q)
         below_k, above_k = cum_kron[first], cum_kron[-1] - cum_kron[last]
         below_g, above_g = cum_gauss[first], cum_gauss[-1] - cum_gauss[last]

@@ -171,6 +171,13 @@ def _lower_convex_values(
             steepness = v[:-1] / -np.expm1(eps[:-1] - eps[-1])
         j = int(np.argmin(steepness))
         keep = np.concatenate([keep[: j + 1], keep[-1:]])
+    if keep.size > 2:
+        # Likewise the first edge, from (0, value_at_zero) to the point of steepest chord. Far
+        # below 0 the values round to value_at_zero and would also be peeled one by one.
+        with np.errstate(over="ignore"):
+            slope = (v[keep[:-1]] - value_at_zero) * np.exp(-np.maximum(eps[keep[:-1]], -700.0))
+        j = int(np.argmin(slope))
+        keep = keep[j:]
     for _ in range(max_passes):
         p = _chain_masses(eps[keep], v[keep], value_at_zero)
         bad = p < -1e-18
@@ -192,7 +199,7 @@ def _lower_convex_values(
     v_l = np.where(first, value_at_zero, v[left])
     e = eps[dropped]
     # λ = (x - x_l) / (x_r - x_l) with x = e^ε, without overflow; x_l = 0 before the first vertex.
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         lam = np.exp(e - e_r) * np.expm1(e_l - e) / np.expm1(e_l - e_r)
     lam = np.where(first, np.exp(e - e_r), lam)
     out[dropped] = np.minimum((1.0 - lam) * v_l + lam * v_r, v[dropped])
@@ -282,7 +289,7 @@ def optimistic_pld(
     at_left, at_right = candidates[2]
     shortfall = 1.0 - at_left / np.maximum(best_left, tiny) + 1.0 - at_right / np.maximum(best_right, tiny)
     for ok, (left, right) in zip(usable[:2], candidates[:2]):
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):
             short = 2.0 - left / np.maximum(best_left, tiny) - right / np.maximum(best_right, tiny)
         better = ok & (short < shortfall)
         at_left = np.where(better, left, at_left)
@@ -300,6 +307,18 @@ def optimistic_pld(
     v = _lower_convex_values(eps, v, at_zero)
     masses = np.maximum(ctd_masses(eps, v, at_zero, 0.0), 0.0)
     return LatticePld(discretization, int(k[0]), _dense(k, masses), 0.0, False)
+
+
+def with_null_outcome(pld: LatticePld, weight: float) -> LatticePld:
+    """PLD of the mechanism that, with probability `weight`, runs the one of `pld` and otherwise
+    reveals nothing (loss 0 under both hypotheses). The chance is data-independent and known, so
+    the PLD is the weighted mixture; the direction (pessimistic/optimistic) is kept."""
+    lo = min(pld.offset, 0)
+    hi = max(pld.offset + pld.size - 1, 0)
+    probs = np.zeros(hi - lo + 1)
+    probs[pld.offset - lo : pld.offset - lo + pld.size] = weight * pld.probs
+    probs[-lo] += 1.0 - weight
+    return LatticePld(pld.discretization, lo, probs, weight * pld.infinity_mass, pld.pessimistic)
 
 
 def truncate(pld: LatticePld, floor_index: Optional[int], cap_index: Optional[int]) -> LatticePld:
