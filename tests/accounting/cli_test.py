@@ -29,4 +29,4 @@ def test_cli_refuses_gdp_for_jl(capsys):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -66,4 +66,4 @@ def test_jl_profile_increases_to_gaussian_limit_with_r():
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -14,6 +15,9 @@ EPSILON_ABS_TOLERANCE = 5e-3
 EPSILON_REL_TOLERANCE = 5e-3
 DELTA_REL_TOLERANCE = 1e-2
 DELTA_ABS_TOLERANCE = 1e-12
+
+
+_NOISELESS = "a step has noise_multiplier 0 (no noise), so its output reveals the data"
 
 
 class AccuracyError(ArithmeticError):
@@ -124,7 +128,7 @@ class PrivacyAccountant:
         if not self._phases:
             return composition.Bounds(0.0, 0.0, 0.0, True)
         if self._has_noiseless_step():
-            return composition.Bounds(math.inf, math.inf, 0.0, True)
+            return composition.Bounds(math.inf, math.inf, 0.0, True, _NOISELESS)
         margin = composition.horizon_margin(self.steps, delta)
         return composition.refine(
             self._phases,
@@ -139,8 +143,9 @@ class PrivacyAccountant:
     def epsilon(self, delta: float) -> float:
         """Smallest ε (pessimistic, within tolerance) such that the run is (ε, δ)-DP.
 
-        Returns math.inf when no finite ε can be certified at this δ: σ = 0, or (JL with very
-        few projections) the probability of an unbounded privacy loss exceeds δ.
+        Returns math.inf when no finite ε can be certified at this δ: σ = 0, or (JL with one
+        projection) the probability that the privacy loss exceeds 1e9, where losses are
+        counted as unbounded, is above δ. A `RuntimeWarning` then says which.
 
         Raises:
           ValueError: `delta` outside (0, 1).
@@ -156,6 +161,8 @@ class PrivacyAccountant:
                 b.lower,
                 b.upper,
             )
+        if math.isinf(b.upper):
+            warnings.warn(f"ε = inf at δ = {delta:g}: {b.reason}.", RuntimeWarning, stacklevel=2)
         return b.upper
 
     def delta_bounds(self, epsilon: float) -> composition.Bounds:
@@ -164,7 +171,7 @@ class PrivacyAccountant:
         if not self._phases:
             return composition.Bounds(0.0, 0.0, 0.0, True)
         if self._has_noiseless_step():
-            return composition.Bounds(1.0, 1.0, 0.0, True)
+            return composition.Bounds(1.0, 1.0, 0.0, True, _NOISELESS)
         tol = lambda u: max(DELTA_ABS_TOLERANCE, DELTA_REL_TOLERANCE * u)  # noqa: E731
         query = lambda p: float(pld.delta_for_epsilon(p, epsilon)[0])  # noqa: E731
         steps = self.steps

@@ -47,7 +47,7 @@ _MAX_DENSE_POINTS = 1 << 11
 # Steps composed on the fine lattice before moving a block to the coarse one.
 _BLOCK_STEPS = 64
 # A phase whose single-level composed lattice would exceed this many points uses two levels.
-_MAX_FINE_POINTS = 1 << 17
+_MAX_FINE_POINTS = 1 << 19
 # Points aimed at for the coarse lattice of two-level composition.
 _COARSE_POINTS = 1 << 17
 # Tail floors tried below the requested one (the first pass's cap must stay cheap).
@@ -77,12 +77,14 @@ class Bounds:
       upper: value from the pessimistic PLD (the true value is not above it).
       discretization: the lattice step Δ used.
       converged: whether upper - lower met the requested tolerance.
+      reason: why the result is infinite or unconverged, in words ("" otherwise).
     """
 
     lower: float
     upper: float
     discretization: float
     converged: bool
+    reason: str = ""
 
     @property
     def error(self) -> float:
@@ -452,9 +454,18 @@ def refine(
         upper = min(upper, combine([query(u) for u, _ in plds.values()]))
         lower = max(lower, combine([query(l) for _, l in plds.values()]))
         lower = min(lower, upper)
+        reason = ""
+        if math.isinf(upper):
+            top = limit if limit is not None else max(2.0 * c for c in caps)
+            unbounded = max(u.infinity_mass for u, _ in plds.values())
+            top = min(top, MAX_LOSS)
+            reason = (
+                f"no ε ≤ {top:.3g} can be certified: with probability {unbounded:.3g} the "
+                f"privacy loss exceeds {top:.3g}, and losses beyond that are counted as unbounded"
+            )
         done = upper == lower or (math.isinf(upper) and math.isinf(lower))
         if done or upper - lower <= tolerance(upper):
-            return Bounds(lower, upper, delta_step, True)
+            return Bounds(lower, upper, delta_step, True, reason)
         finer = delta_step / 3.0
         if horizon is not None and math.isfinite(upper):
             new_limit = horizon(upper)
@@ -465,5 +476,6 @@ def refine(
                 finer = min(finer, _initial_discretization(caps, phases))
         too_big = _estimated_size(phases, finer, caps, limit) > MAX_WINDOW
         if discretization is not None or too_big:
-            return Bounds(lower, upper, delta_step, False)
+            reason = reason or f"the lattice cannot be refined below Δ = {delta_step:.3g}"
+            return Bounds(lower, upper, delta_step, False, reason)
         delta_step = finer
