@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tf_dp import accounting
@@ -140,6 +141,25 @@ def test_jl_epsilon_strictly_decreasing_in_r_small_setting():
     kw = dict(noise_multiplier=1.0, sampling_probability=0.01, steps=1000, delta=DELTA)
     eps, gauss = _jl_sweep(**kw)
     _check_sweep(eps, gauss, accounting.compute_epsilon(num_projections=10**6, **kw))
+
+
+@pytest.mark.parametrize("r", [2, 3, 5])
+def test_jl_delta_brackets_monte_carlo(r):
+    # Independent check of the whole heavy-tail path (split at μ = 8, horizon, two levels):
+    # δ(ε) = E_P[(1 - e^{ε - S})_+], S the sum of per-step losses, sampled directly.
+    sigma, q, steps, samples = 1.0, 0.05, 100, 50_000
+    rng = np.random.default_rng(r)
+    total = np.zeros(samples)
+    for _ in range(steps):
+        mu = np.sqrt(r / rng.chisquare(r, samples)) / sigma
+        y = rng.standard_normal(samples) + (rng.random(samples) < q) * mu
+        total += np.logaddexp(math.log1p(-q), math.log(q) + mu * y - 0.5 * mu * mu)
+    acc = accounting.PrivacyAccountant().step(sigma, q, num_projections=r, count=steps)
+    for eps in (10.0, 30.0):  # above the add direction's largest loss (-100 log(1 - q) ≈ 5.1)
+        hinge = np.maximum(-np.expm1(eps - total), 0.0)
+        mc, se = hinge.mean(), hinge.std() / math.sqrt(samples)
+        bounds = acc.delta_bounds(eps)
+        assert bounds.lower - 4 * se <= mc <= bounds.upper + 4 * se, (eps, mc, se, bounds)
 
 
 def test_jl_one_projection_has_no_finite_epsilon():
