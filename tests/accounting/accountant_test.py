@@ -185,13 +185,19 @@ def test_engine_reproduces_dp_accounting_connect_the_dots(discretization):
     from dp_accounting.pld import privacy_loss_distribution as dpl
 
     theirs = (
-        dpl.from_gaussian_mechanism(SIGMA, sampling_prob=Q, value_discretization_interval=discretization)
+        dpl.from_gaussian_mechanism(
+            SIGMA, sampling_prob=Q, value_discretization_interval=discretization
+        )
         .self_compose(STEPS)
         .get_epsilon_for_delta(DELTA)
     )
     phases = [composition.Phase(SIGMA, Q, None, STEPS)]
     ours = composition.refine(
-        phases, 1e-2 * DELTA, lambda p: pld.epsilon_for_delta(p, DELTA), max, lambda u: math.inf,
+        phases,
+        1e-2 * DELTA,
+        lambda p: pld.epsilon_for_delta(p, DELTA),
+        max,
+        lambda u: math.inf,
         discretization=discretization,
     )
     assert ours.upper == pytest.approx(theirs, abs=1e-6)

@@ -84,8 +84,12 @@ def test_optimistic_pld_does_not_collapse_on_a_coarse_lattice():
 def test_split_and_unsplit_jl_brackets_agree(monkeypatch):
     # Heavy-tailed JL (r = 5): bulk ⊛ tail composition against the plain one, both certified.
     acc = lambda: composition.refine(  # noqa: E731
-        [composition.Phase(1.0, 0.01, 5, 1000)], 1e-2 * DELTA, _query(DELTA), max,
-        lambda u: 5e-3 * u, horizon=lambda u: u + max(40.0, 0.25 * u),
+        [composition.Phase(1.0, 0.01, 5, 1000)],
+        1e-2 * DELTA,
+        _query(DELTA),
+        max,
+        lambda u: 5e-3 * u,
+        horizon=lambda u: u + max(40.0, 0.25 * u),
     )
     split = acc()
     assert composition.split_phase(composition.Phase(1.0, 0.01, 5, 1000), 1e3) is not None

@@ -44,8 +44,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"mechanism: {mech}, Poisson sampling q={q:.6g}, steps={steps}, delta={args.delta:g}")
     try:
         if args.target_epsilon is not None:
-            sigma = accounting.calibrate_noise_multiplier(args.target_epsilon, args.delta, q, steps, r)
-            print(f"calibrated noise_multiplier: {sigma:.6g} (reaches epsilon <= {args.target_epsilon:g})")
+            sigma = accounting.calibrate_noise_multiplier(
+                args.target_epsilon, args.delta, q, steps, r
+            )
+            print(
+                f"calibrated noise_multiplier: {sigma:.6g} (reaches epsilon <= {args.target_epsilon:g})"
+            )
         else:
             if args.noise_multiplier is None:
                 raise SystemExit("give --noise_multiplier or --target_epsilon")
@@ -58,11 +62,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"epsilon: {eps:.6g} (numerical bracket [{b.lower:.6g}, {b.upper:.6g}])")
         rdp = acc.rdp_epsilon(args.delta)
-        print(f"RDP epsilon (comparison): {rdp:.6g}" if math.isfinite(rdp) else
-              "RDP epsilon (comparison): inf (RDP is infinite for the JL mechanism)")
+        print(
+            f"RDP epsilon (comparison): {rdp:.6g}"
+            if math.isfinite(rdp)
+            else "RDP epsilon (comparison): inf (RDP is infinite for the JL mechanism)"
+        )
         try:
             mu = acc.gdp_mu()
-            print(f"CLT mu-GDP (comparison): mu={mu:.6g}, epsilon={accounting.gdp_epsilon(mu, args.delta):.6g}")
+            print(
+                f"CLT mu-GDP (comparison): mu={mu:.6g}, epsilon={accounting.gdp_epsilon(mu, args.delta):.6g}"
+            )
         except accounting.GDPNotApplicableError as e:
             print(f"CLT mu-GDP: not applicable ({e})")
     except ValueError as e:
@@ -78,7 +87,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             mu = acc.gdp_mu()
             curves.append((f"CLT μ-GDP, μ={mu:.3g}", accounting.gaussian_tradeoff(mu, alphas)))
         accounting.plot_tradeoff(
-            args.plot, alphas, curves, title=f"q={q:.4g}, steps={steps}, ε={eps:.4g} at δ={args.delta:g}"
+            args.plot,
+            alphas,
+            curves,
+            title=f"q={q:.4g}, steps={steps}, ε={eps:.4g} at δ={args.delta:g}",
         )
         print(f"trade-off curve written to {args.plot}")
     return 0

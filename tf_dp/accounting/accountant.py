@@ -102,7 +102,11 @@ class PrivacyAccountant:
         n = _validation.count(count)
         if self._phases:
             last = self._phases[-1]
-            if (last.noise_multiplier, last.sampling_probability, last.num_projections) == (sigma, q, r):
+            if (last.noise_multiplier, last.sampling_probability, last.num_projections) == (
+                sigma,
+                q,
+                r,
+            ):
                 self._phases[-1] = composition.Phase(sigma, q, r, last.count + n)
                 return self
         self._phases.append(composition.Phase(sigma, q, r, n))
@@ -264,7 +268,9 @@ class PrivacyAccountant:
             ),
         )
         for p in config.get("phases", []):
-            acc.step(p["noise_multiplier"], p["sampling_probability"], p["num_projections"], p["count"])
+            acc.step(
+                p["noise_multiplier"], p["sampling_probability"], p["num_projections"], p["count"]
+            )
         return acc
 
     def __repr__(self) -> str:

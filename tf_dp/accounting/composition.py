@@ -115,7 +115,12 @@ def _bulk_cap(sampling_probability: float) -> float:
     """Loss level above which a step with μ ≤ `_MU_SPLIT` has P-mass < q Φ(-9): the q-component's
     output y ≤ μ + 9 gives L ≤ log(1 - q + q e^{μ²/2 + 9μ})."""
     mu = _MU_SPLIT
-    return math.log1p(-sampling_probability + sampling_probability * math.exp(0.5 * mu * mu + 9.0 * mu)) + 1.0
+    return (
+        math.log1p(
+            -sampling_probability + sampling_probability * math.exp(0.5 * mu * mu + 9.0 * mu)
+        )
+        + 1.0
+    )
 
 
 def split_phase(phase: Phase, cap: float) -> Optional[float]:
@@ -243,7 +248,12 @@ def step_plds(
     mid = mechanisms.step_profile(law, 0.5 * (eps[1:] + eps[:-1]), q, direction)
     upper = pld.pessimistic_pld(k, discretization, prof.delta_upper)
     lower = pld.optimistic_pld(
-        k, discretization, prof.delta_lower, prof.weighted_q_tail, mid.delta_lower, mid.weighted_q_tail
+        k,
+        discretization,
+        prof.delta_lower,
+        prof.weighted_q_tail,
+        mid.delta_lower,
+        mid.weighted_q_tail,
     )
     return upper, lower
 
@@ -392,7 +402,9 @@ def composed_plds(
                         step, tails[j], splits[i], phase.count, factor, limits[i]
                     )
                 acc[j] = (
-                    composed if acc[j] is None else pld.compose(acc[j], composed, cap_index=total_cap)
+                    composed
+                    if acc[j] is None
+                    else pld.compose(acc[j], composed, cap_index=total_cap)
                 )
         result[direction] = (acc[0], acc[1])
     return result

@@ -13,7 +13,9 @@ from tf_dp.accounting.accountant import PrivacyAccountant
 _SIGMA_MIN, _SIGMA_MAX = 1e-2, 1e3
 
 
-def _accountant(noise_multiplier, sampling_probability, steps, num_projections) -> PrivacyAccountant:
+def _accountant(
+    noise_multiplier, sampling_probability, steps, num_projections
+) -> PrivacyAccountant:
     sigma = _validation.noise_multiplier(noise_multiplier)
     q = _validation.sampling_probability(sampling_probability)
     n = _validation.steps(steps)
@@ -224,7 +226,10 @@ def gdp_delta(mu: float, epsilon: float) -> float:
     """δ(ε) of μ-GDP: Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) (Dong, Roth, Su 2022, Cor. 2.13)."""
     if mu == 0:
         return 0.0
-    return float(special.ndtr(-epsilon / mu + mu / 2) - math.exp(epsilon) * special.ndtr(-epsilon / mu - mu / 2))
+    return float(
+        special.ndtr(-epsilon / mu + mu / 2)
+        - math.exp(epsilon) * special.ndtr(-epsilon / mu - mu / 2)
+    )
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

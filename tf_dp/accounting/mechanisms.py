@@ -215,7 +215,10 @@ def jl_mu_law(
     gauss = (half[:, None] * _G7_WEIGHTS[None, :]).ravel() * density
     mass_below = float(cdf_mu[0])
     # Dropped empty panels are moved to the top (largest μ): pessimistic.
-    mass_above = float(chi2.cdf(_chi2_from_mu(np.array([mu_top]), noise_multiplier, num_projections))[0]) + dropped
+    mass_above = (
+        float(chi2.cdf(_chi2_from_mu(np.array([mu_top]), noise_multiplier, num_projections))[0])
+        + dropped
+    )
     return MuLaw(nodes, kronrod, gauss, mu_bottom, mu_top, mass_below, mass_above)
 
 
@@ -278,9 +281,7 @@ def _log_excess(eps: np.ndarray, q: float, direction: str) -> Tuple[np.ndarray, 
     inside = e > (math.log1p(-q) if q < 1 else -math.inf)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         safe = np.where(inside, e, 0.0)
-        excess = np.where(
-            inside, safe + np.log1p(-(1.0 - q) * np.exp(-safe)) - math.log(q), 0.0
-        )
+        excess = np.where(inside, safe + np.log1p(-(1.0 - q) * np.exp(-safe)) - math.log(q), 0.0)
     return inside, excess
 
 
@@ -349,8 +350,10 @@ def add_profile(
         cdf_y = special.ndtr(y)
         cdf_y_shift = special.ndtr(y - mu_safe)
         # δ = (1 - (1-q)e^ε) Φ(y*) - q e^ε Φ(y* - μ); the first factor is q e^{ε + B} > 0.
-        delta = -np.expm1(e + math.log1p(-q)) * cdf_y - q * np.exp(e) * cdf_y_shift if q < 1 else (
-            cdf_y - np.exp(e) * cdf_y_shift
+        delta = (
+            -np.expm1(e + math.log1p(-q)) * cdf_y - q * np.exp(e) * cdf_y_shift
+            if q < 1
+            else (cdf_y - np.exp(e) * cdf_y_shift)
         )
         weighted = np.exp(e) * ((1.0 - q) * cdf_y + q * cdf_y_shift)
         # μ = ∞: all of P sits at loss -log(1 - q); a (1 - q) share of Q sits there too.

@@ -125,7 +125,9 @@ def _convex_chain(epsilons: np.ndarray, values: np.ndarray, value_at_zero: float
     for a, c in zip(hull[:-1], hull[1:]):
         if c - a > 1:
             mid = np.arange(a + 1, c)
-            lam = np.exp(np.log(-np.expm1(epsilons[a] - epsilons[mid])) + epsilons[mid] - epsilons[c]) / -math.expm1(epsilons[a] - epsilons[c])
+            lam = np.exp(
+                np.log(-np.expm1(epsilons[a] - epsilons[mid])) + epsilons[mid] - epsilons[c]
+            ) / -math.expm1(epsilons[a] - epsilons[c])
             out[mid] = (1.0 - lam) * values[a] + lam * values[c]
     if hull.size and hull[0] > 0:
         mid = np.arange(0, hull[0])
@@ -212,7 +214,9 @@ def _dense(k: np.ndarray, masses: np.ndarray) -> np.ndarray:
     return probs
 
 
-def pessimistic_pld(lattice_index: np.ndarray, discretization: float, delta: np.ndarray) -> LatticePld:
+def pessimistic_pld(
+    lattice_index: np.ndarray, discretization: float, delta: np.ndarray
+) -> LatticePld:
     """Connect-the-dots PLD (an upper bound) from δ upper bounds at lattice points.
 
     Args:
@@ -287,7 +291,9 @@ def optimistic_pld(
     best_right = np.max([np.where(ok, r, 0.0) for ok, (_, r) in zip(usable, candidates)], axis=0)
     tiny = np.finfo(float).tiny
     at_left, at_right = candidates[2]
-    shortfall = 1.0 - at_left / np.maximum(best_left, tiny) + 1.0 - at_right / np.maximum(best_right, tiny)
+    shortfall = (
+        1.0 - at_left / np.maximum(best_left, tiny) + 1.0 - at_right / np.maximum(best_right, tiny)
+    )
     for ok, (left, right) in zip(usable[:2], candidates[:2]):
         with np.errstate(invalid="ignore", over="ignore"):
             short = 2.0 - left / np.maximum(best_left, tiny) - right / np.maximum(best_right, tiny)
@@ -426,11 +432,19 @@ def self_compose(
         spectrum = fft.rfft(probs, fast_len)
         conv = fft.irfft(spectrum**num_times, fast_len)
         conv = np.maximum(np.roll(conv, -lo)[:out_len], 0.0)
-        inf_mass = -math.expm1(num_times * math.log1p(-pld.infinity_mass)) if pld.infinity_mass < 1 else 1.0
+        inf_mass = (
+            -math.expm1(num_times * math.log1p(-pld.infinity_mass))
+            if pld.infinity_mass < 1
+            else 1.0
+        )
         if pld.pessimistic:
             inf_mass += TAIL_MASS_TRUNCATION
         out = LatticePld(
-            pld.discretization, pld.offset * num_times + lo, conv, min(inf_mass, 1.0), pld.pessimistic
+            pld.discretization,
+            pld.offset * num_times + lo,
+            conv,
+            min(inf_mass, 1.0),
+            pld.pessimistic,
         )
         # Light tails: the window already holds all but 1e-15; no cap (it is for heavy tails).
         return truncate(out, floor_index, None)

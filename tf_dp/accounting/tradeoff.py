@@ -8,7 +8,9 @@ import numpy as np
 from scipy import special
 
 
-def tradeoff_from_profile(epsilons: np.ndarray, deltas: np.ndarray, alphas: np.ndarray) -> np.ndarray:
+def tradeoff_from_profile(
+    epsilons: np.ndarray, deltas: np.ndarray, alphas: np.ndarray
+) -> np.ndarray:
     """β(α) = sup_ε max(0, 1 - δ(ε) - e^ε α, e^{-ε}(1 - δ(ε) - α)) (Dong et al. 2022, Prop. 2.12).
 
     With upper bounds on δ(ε) and a subset of ε the result is a lower bound on the true curve.
