@@ -28,5 +28,11 @@ def test_cli_refuses_gdp_for_jl(capsys):
     assert "not applicable" in capsys.readouterr().out
 
 
+def test_cli_says_why_epsilon_is_infinite(capsys):
+    args = "--dataset_size 1000 --batch_size 10 --epochs 10 --noise_multiplier 1 --delta 1e-5"
+    assert cli.main(args.split() + ["--num_projections", "1"]) == 0
+    assert "epsilon: inf (no ε ≤ 1e+09 can be certified" in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -58,7 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         b = acc.epsilon_bounds(args.delta)
         eps = b.upper
         if math.isinf(eps):
-            print(f"epsilon: inf (no finite epsilon can be certified at this delta: {b.reason})")
+            print(f"epsilon: inf ({b.reason})")
         else:
             print(f"epsilon: {eps:.6g} (numerical bracket [{b.lower:.6g}, {b.upper:.6g}])")
         rdp = acc.rdp_epsilon(args.delta)
