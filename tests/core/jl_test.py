@@ -393,10 +393,7 @@ def test_optimizer_rejects_bad_num_projections(cls, value):
 
 
 @pytest.mark.parametrize("value", [
-    0, -1, 2.5, None,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True, reason="tf_dp bug: private_step._clipped_sum_jl accepts a bool r "
-                            "(isinstance(True, int)); it should reuse validate_num_projections")),
+    0, -1, 2.5, None, True,
 ], ids=repr)
 def test_clipped_sum_rejects_bad_num_projections(value):
     model, x, y, loss_fn = _cnn_case(n=2)

@@ -24,6 +24,14 @@ from tf_dp.core import vmap
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
 
+def validate_num_projections(num_projections):
+    """``num_projections`` (r) must be an integer >= 1."""
+    if isinstance(num_projections, bool) or not isinstance(num_projections, int):
+        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
+    if num_projections < 1:
+        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections}.")
+
+
 def directions(variables, num_projections: int, seed):
     """r standard Gaussian directions: a list over j of lists over variables.
 

@@ -144,8 +144,7 @@ def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip
 
 def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables,
                     num_projections, seed):
-    if not isinstance(num_projections, int) or num_projections < 1:
-        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
+    jl.validate_num_projections(num_projections)
     if seed is None:
         raise ValueError("norm_strategy='jl' needs a `seed` for its projections.")
     tape = tf.GradientTape(watch_accessed_variables=False)

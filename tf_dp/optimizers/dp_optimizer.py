@@ -10,20 +10,13 @@ import os
 import tensorflow as tf
 
 from tf_dp.core import private_step
+from tf_dp.core.jl import validate_num_projections  # noqa: F401 (re-exported)
 
 _PLAIN_MODEL_MESSAGE = (
     "{name} is a differentially private optimizer but was called by a plain Keras train "
     "step, which would train WITHOUT privacy (no per-example clipping). Wrap the model with "
     "`tf_dp.keras.make_private(model)` (or build it as tf_dp.keras.DPSequential / DPModel) "
     "before compile().")
-
-
-def validate_num_projections(num_projections):
-    """``num_projections`` (r) must be an integer >= 1."""
-    if isinstance(num_projections, bool) or not isinstance(num_projections, int):
-        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
-    if num_projections < 1:
-        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections}.")
 
 
 def validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
