@@ -68,6 +68,9 @@ flags.DEFINE_enum("model", "resnet", ["resnet", "wrn"],
                   "resnet: small ResNet (--widths); wrn: wide ResNet (--depth, --width).")
 flags.DEFINE_list("widths", ["16", "32", "64"], "Channels of the resnet's stages.")
 flags.DEFINE_integer("blocks", 1, "Residual blocks per stage (resnet).")
+flags.DEFINE_bool("stem_pool", False,
+                  "2x2 max-pooling after the resnet's stem: a quarter of the activations, so "
+                  "wider stages (e.g. --widths=32,64,128) cost about what 16/32/64 cost without.")
 flags.DEFINE_integer("depth", 28, "WRN depth (6n + 4).")
 flags.DEFINE_integer("width", 4, "WRN widening factor.")
 flags.DEFINE_integer("groups", 4, "GroupNormalization groups.")
@@ -127,12 +130,15 @@ def _basic_block(x, filters, stride, groups, name):
     return keras.layers.Activation("relu")(keras.layers.Add()([y, shortcut]))
 
 
-def small_resnet(input_shape, widths, blocks, groups, num_classes=10) -> keras.Model:
+def small_resnet(input_shape, widths, blocks, groups, stem_pool=False,
+                 num_classes=10) -> keras.Model:
     """A ResNet-style CNN: stride-2 stem, one stage per width (stride 2 after the first)."""
     inputs = keras.Input(input_shape)
     x = _conv(widths[0], 3, 2, "stem")(inputs)
     x = keras.layers.GroupNormalization(groups, name="stem_gn")(x)
     x = keras.layers.Activation("relu")(x)
+    if stem_pool:
+        x = keras.layers.MaxPooling2D(2, name="stem_pool")(x)
     for i, filters in enumerate(widths):
         for j in range(blocks):
             stride = 2 if (i > 0 and j == 0) else 1
@@ -177,11 +183,13 @@ def build_model(input_shape) -> keras.Model:
         model = wide_resnet(input_shape, FLAGS.depth, FLAGS.width, FLAGS.groups)
     else:
         model = small_resnet(input_shape, [int(w) for w in FLAGS.widths], FLAGS.blocks,
-                             FLAGS.groups)
+                             FLAGS.groups, FLAGS.stem_pool)
     if FLAGS.method not in ("rgp", "lsg"):
         return model
+    # Only where the carriers are smaller than the kernel, r (m + n) < m n (the 3x3x1 -> 16
+    # stem, for instance, has fewer weights than its rank-8 carriers and stays plain).
     names = [layer.name for layer in model.layers
-             if type(layer) is keras.layers.Conv2D and min(_matrix_dims(layer)) >= FLAGS.rank]
+             if type(layer) is keras.layers.Conv2D and _carriers_save(*_matrix_dims(layer))]
     if FLAGS.reparam_classifier:
         names.append("classifier")
     return reparametrize(model, rank=FLAGS.rank,
@@ -192,6 +200,10 @@ def build_model(input_shape) -> keras.Model:
 def _matrix_dims(conv):
     kh, kw, c_in, c_out = conv.kernel.shape
     return kh * kw * c_in, c_out
+
+
+def _carriers_save(m, n):
+    return FLAGS.rank <= min(m, n) and FLAGS.rank * (m + n) < m * n
 
 
 # ----------------------------------------------------------------------------- training
@@ -250,8 +262,11 @@ def main(argv):
     carriers = sum(int(np.sum(np.broadcast_to(mask.numpy(), var.shape)))
                    for layer in swapped
                    for var, mask in zip(layer.carrier_variables(), layer.noise_masks()))
-    print(f"{FLAGS.dataset}: {n} train / {len(x_test)} test; {FLAGS.model} with "
-          f"{model.count_params()} weights ({plain} trainable); method {FLAGS.method}")
+    shape = (f"widths {'/'.join(FLAGS.widths)}, {FLAGS.blocks} block(s) per stage"
+             + (", stem pooling" if FLAGS.stem_pool else "") if FLAGS.model == "resnet"
+             else f"WRN-{FLAGS.depth}-{FLAGS.width}")
+    print(f"{FLAGS.dataset}: {n} train / {len(x_test)} test; {FLAGS.model} ({shape}, "
+          f"GroupNorm({FLAGS.groups})) with {plain} trainable weights; method {FLAGS.method}")
     if swapped:
         print(f"reparametrized {len(swapped)} layers at rank {FLAGS.rank}"
               + (f", LSG sparsity {FLAGS.sparsity}" if FLAGS.method == "lsg" else "")
