@@ -186,12 +186,10 @@ def _check_concentration(model, x, y, loss_fn, projections, k):
         spreads.append(spread.mean())
     assert all(a > b for a, b in zip(spreads, spreads[1:])), spreads
     if projections[-1] >= 64:
-        # Large r: every single estimate M is close to the exact norm.
+        # Large r: every single estimate M (k seeds x B examples) is close to the exact norm:
+        # |M/||g|| - 1| ~ |M^2/||g||^2 - 1| / 2, whose sd is sqrt(2/r) / 2 (6 sds allowed).
         r = projections[-1]
-        norms = _jl_norms_fn(model, x, y, loss_fn, r)(12345)
-        exact = np.array([_norm(g) for g in _brute_force(model, loss_fn, x, y)])
-        # |M/||g|| - 1| <~ |M^2/||g||^2 - 1| / 2, whose sd is sqrt(2/r) (6 sds).
-        np.testing.assert_allclose(norms, exact, rtol=3 * math.sqrt(2 / r))
+        assert np.max(np.abs(np.sqrt(ratio) - 1.0)) < 3 * math.sqrt(2 / r)
 
 
 # ------------------------------------------------------------------ the clipped sum
