@@ -15,7 +15,7 @@ import random
 
 import keras
 import tensorflow as tf
-from keras import ops
+from keras import constraints, initializers, ops, regularizers
 
 from tf_dp.layers.carriers import power_method, random_carriers, reconstruct_update
 from tf_dp.layers.lsg import lsg_masks, unit_importances
@@ -84,6 +84,57 @@ class ReparamLayer(keras.layers.Layer):
         # Resolved now so that the config (and hence a reloaded model) reproduces the carriers;
         # `random` is seeded by `keras.utils.set_random_seed`.
         self.seed = int(seed) if seed is not None else random.randint(0, 2**31 - 1)
+
+    # ------------------------------------------------------------------ kernel and bias
+    def _set_weight_options(
+        self,
+        kernel_initializer,
+        bias_initializer,
+        kernel_regularizer,
+        bias_regularizer,
+        kernel_constraint,
+        bias_constraint,
+    ):
+        """Stores the Keras kernel/bias options shared by every reparametrized layer."""
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
+
+    def _weight_options_config(self):
+        return {
+            "kernel_initializer": initializers.serialize(self.kernel_initializer),
+            "bias_initializer": initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
+            "kernel_constraint": constraints.serialize(self.kernel_constraint),
+            "bias_constraint": constraints.serialize(self.bias_constraint),
+        }
+
+    def _add_kernel_and_bias(self, kernel_shape, bias_shape, kernel_initializer=None):
+        """Creates ``kernel`` and ``bias`` (None when ``bias_shape`` is None) as Keras does."""
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=tuple(kernel_shape),
+            initializer=kernel_initializer or self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+            dtype=self.dtype,
+            trainable=True,
+        )
+        self.bias = None
+        if bias_shape is not None:
+            self.bias = self.add_weight(
+                name="bias",
+                shape=tuple(bias_shape),
+                initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint,
+                dtype=self.dtype,
+                trainable=True,
+            )
 
     # ------------------------------------------------------------------ build helpers
     def _set_matrix_view(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
-from keras import activations, constraints, initializers, ops, regularizers
+from keras import activations, ops
 from keras.src.ops.operation_utils import compute_conv_output_shape
 
 from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
@@ -129,12 +129,14 @@ class ReparamConv2D(ReparamLayer):
         self.groups = 1
         self.activation = activations.get(activation)
         self.use_bias = use_bias
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        self._set_weight_options(
+            kernel_initializer,
+            bias_initializer,
+            kernel_regularizer,
+            bias_regularizer,
+            kernel_constraint,
+            bias_constraint,
+        )
         self.input_spec = keras.layers.InputSpec(min_ndim=4)
 
     def _channel_axis(self):
@@ -144,27 +146,7 @@ class ReparamConv2D(ReparamLayer):
         input_channel = input_shape[self._channel_axis()]
         self.compute_output_shape(input_shape)  # validates the spatial sizes, as Keras does
         kernel_shape = self.kernel_size + (input_channel, self.filters)
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=kernel_shape,
-            initializer=self.kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-            trainable=True,
-            dtype=self.dtype,
-        )
-        if self.use_bias:
-            self.bias = self.add_weight(
-                name="bias",
-                shape=(self.filters,),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                trainable=True,
-                dtype=self.dtype,
-            )
-        else:
-            self.bias = None
+        self._add_kernel_and_bias(kernel_shape, (self.filters,) if self.use_bias else None)
         self._set_matrix_view(
             kernel_shape=kernel_shape,
             input_units_shape=kernel_shape[:3],
@@ -233,12 +215,7 @@ class ReparamConv2D(ReparamLayer):
                 "groups": self.groups,
                 "activation": activations.serialize(self.activation),
                 "use_bias": self.use_bias,
-                "kernel_initializer": initializers.serialize(self.kernel_initializer),
-                "bias_initializer": initializers.serialize(self.bias_initializer),
-                "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-                "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-                "kernel_constraint": constraints.serialize(self.kernel_constraint),
-                "bias_constraint": constraints.serialize(self.bias_constraint),
             }
         )
+        config.update(self._weight_options_config())
         return config

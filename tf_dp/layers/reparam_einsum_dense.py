@@ -7,7 +7,7 @@ import string
 
 import keras
 import tensorflow as tf
-from keras import activations, constraints, initializers, ops, regularizers
+from keras import activations, initializers, ops
 from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
 from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
@@ -124,12 +124,14 @@ class ReparamEinsumDense(ReparamLayer):
             self.partial_output_shape = tuple(output_shape)
         self.bias_axes = bias_axes
         self.activation = activations.get(activation)
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
+        self._set_weight_options(
+            kernel_initializer,
+            bias_initializer,
+            kernel_regularizer,
+            bias_regularizer,
+            kernel_constraint,
+            bias_constraint,
+        )
         input_spec, kernel_spec, output_spec, input_axes, output_axes = specs
         # The einsum equations of the two carrier products, with a fresh letter for rank.
         free = next(a for a in string.ascii_letters[::-1] if a not in equation)
@@ -163,27 +165,7 @@ class ReparamEinsumDense(ReparamLayer):
         kernel_initializer = self.kernel_initializer
         if len(shape_data) >= 5:
             kernel_initializer = self._kernel_initializer_for(shape_data[3], shape_data[4])
-        self.kernel = self.add_weight(
-            name="kernel",
-            shape=kernel_shape,
-            initializer=kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-            dtype=self.dtype,
-            trainable=True,
-        )
-        if bias_shape is not None:
-            self.bias = self.add_weight(
-                name="bias",
-                shape=tuple(bias_shape),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                dtype=self.dtype,
-                trainable=True,
-            )
-        else:
-            self.bias = None
+        self._add_kernel_and_bias(kernel_shape, bias_shape, kernel_initializer)
         permuted = [kernel_shape[i] for i in self._matrix_perm]
         input_dims = permuted[: self._num_input_axes]
         output_dims = permuted[self._num_input_axes :]
@@ -235,12 +217,7 @@ class ReparamEinsumDense(ReparamLayer):
                 "equation": self.equation,
                 "activation": activations.serialize(self.activation),
                 "bias_axes": self.bias_axes,
-                "kernel_initializer": initializers.serialize(self.kernel_initializer),
-                "bias_initializer": initializers.serialize(self.bias_initializer),
-                "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-                "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-                "kernel_constraint": constraints.serialize(self.kernel_constraint),
-                "bias_constraint": constraints.serialize(self.bias_constraint),
             }
         )
+        config.update(self._weight_options_config())
         return config
