@@ -76,7 +76,28 @@ def _lstm_case(seed=0, n=4, dtype="float32", bidirectional=False):
     return model, x, y, build_per_example_loss("mse")
 
 
-_CASES = {"cnn": _cnn_case, "lstm": _lstm_case}
+class _Scale(L.Layer):
+    """A custom layer: no ghost rule, so its weight's projections come from forward mode."""
+
+    def build(self, shape):
+        self.s = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.s
+
+
+def _mixed_case(seed=0, n=4, dtype="float32"):
+    """GRU and a custom layer (forward-mode JVPs) between an Embedding and a Dense (factors)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,), dtype="int32"), L.Embedding(20, 4, dtype=dtype),
+                              L.GRU(3, dtype=dtype), _Scale(dtype=dtype), L.Dense(1, dtype=dtype)])
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 20, size=(n, 5)).astype("int32")
+    y = rng.normal(size=(n, 1)).astype(dtype)
+    return model, x, y, build_per_example_loss("mse")
+
+
+_CASES = {"cnn": _cnn_case, "lstm": _lstm_case, "mixed": _mixed_case}
 
 
 def _brute_force(model, loss_fn, x, y):

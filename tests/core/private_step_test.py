@@ -131,16 +131,52 @@ def test_shared_layer_called_twice():
     _check(model, x, y, "mse", "ghost")
 
 
-def test_mixed_model_with_lstm_uses_fallback_for_recurrent_weights():
+def test_bidirectional_lstm_is_covered_by_its_ghost_rule():
     keras.utils.set_random_seed(4)
     model = _seq(L.Embedding(20, 8), L.Bidirectional(L.LSTM(5)), L.Dense(4, activation="tanh"),
                  L.Dense(1), inp=((9,), "int32"))
     x = RNG.integers(0, 20, size=(4, 9)).astype("int32")
     y = RNG.normal(size=(4, 1)).astype("float32")
-    _check(model, x, y, "mse", "auto")
+    _check(model, x, y, "mse", "ghost", expect_covered=["forward_lstm", "backward_lstm"])
     _check(model, x, y, "mse", "vmap")
+
+
+_LSTM_VARIANTS = {
+    # Keras's masking semantics: masked steps keep the state; their output is the previous
+    # one, or zeros with zero_output_for_mask (which Bidirectional sets with sequences).
+    "sequences_masked": lambda: _seq(L.Embedding(20, 8, mask_zero=True),
+                                     L.Bidirectional(L.LSTM(5, return_sequences=True)),
+                                     L.GlobalAveragePooling1D(), L.Dense(1), inp=((9,), "int32")),
+    "last_masked": lambda: _seq(L.Embedding(20, 8, mask_zero=True), L.LSTM(5), L.Dense(1),
+                                inp=((9,), "int32")),
+    "backwards_no_bias_stacked": lambda: _seq(
+        L.Embedding(20, 8), L.LSTM(5, go_backwards=True, use_bias=False, return_sequences=True),
+        L.LSTM(3, activation="relu"), L.Dense(1), inp=((9,), "int32")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LSTM_VARIANTS))
+def test_lstm_variants_match_brute_force(name):
+    keras.utils.set_random_seed(7)
+    model = _LSTM_VARIANTS[name]()
+    x = RNG.integers(1, 20, size=(4, 9)).astype("int32")
+    x[1:, -3:] = 0  # trailing padding on all but the first example
+    x[2, 2] = 0  # and a hole inside one sequence
+    y = RNG.normal(size=(4, 1)).astype("float32")
+    _check(model, x, y, "mse", "ghost", clip=0.1)
+
+
+def test_lstm_with_dropout_falls_back_to_vmap():
+    keras.utils.set_random_seed(8)
+    model = _seq(L.Embedding(20, 8), L.LSTM(5, dropout=0.3), L.Dense(1), inp=((9,), "int32"))
+    x = RNG.integers(0, 20, size=(4, 9)).astype("int32")
+    y = RNG.normal(size=(4, 1)).astype("float32")
+    loss_fn = build_per_example_loss("mse")
     with pytest.raises(ValueError, match="no ghost-norm formula"):
-        _check(model, x, y, "mse", "ghost")
+        clipped_sum(model, x, y, None, loss_fn, 1.0, norm_strategy="ghost")
+    # "auto" computes its weights' per-example gradients by the vectorized fallback.
+    res = clipped_sum(model, x, y, None, loss_fn, 1.0, norm_strategy="auto")
+    assert all(np.all(np.isfinite(g.numpy())) for g in res.grads)
 
 
 def test_gru_and_custom_layer_fallback():

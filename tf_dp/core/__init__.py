@@ -9,3 +9,5 @@ __all__ = ["ClippedSum", "NORM_STRATEGIES", "batch_size_of", "build_per_example_
 
 # Registers the ghost-norm formulas of the reparametrized layers (tf_dp.layers).
 from tf_dp.core import ghost_reparam  # noqa: E402,F401
+# ... and of Keras LSTM layers.
+from tf_dp.core import ghost_rnn  # noqa: E402,F401

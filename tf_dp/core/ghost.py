@@ -403,10 +403,15 @@ def capturable_layers(model):
     out = []
 
     def visit(layer, top):
-        if not top and isinstance(layer, _OPAQUE_PARENTS):
-            return
         if not top and registered_fn(layer) is not None:
             out.append(layer)
+            return
+        if isinstance(layer, keras.layers.Bidirectional):
+            # Calls its two RNNs on the batch-first input: both can be captured.
+            visit(layer.forward_layer, False)
+            visit(layer.backward_layer, False)
+            return
+        if not top and isinstance(layer, _OPAQUE_PARENTS):
             return
         for sub in getattr(layer, "_layers", []) or []:
             visit(sub, False)
@@ -476,25 +481,44 @@ def _embedding_sq_norms(ids, g):
     return tf.reduce_sum(same * gg, axis=[1, 2])
 
 
-class _VarNorm:
-    """How one variable's per-example squared norms and weighted sum are computed."""
+def _materialise_for_projection(a, g, num_projections):
+    """JL projections of an outer-product term: materialise the per-example gradient
+    (B, d, p) when it is no larger than the r projected factors (r, B, T, min(d, p))."""
+    t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
+    if t is None or d is None or p is None:
+        return False
+    return d * p <= num_projections * t * min(d, p)
 
-    def __init__(self, variable, terms, dz_of):
+
+class _VarNorm:
+    """How one variable's per-example squared norms, JL projections and weighted sum are
+    computed from its recorded factors.
+
+    With ``exact_norms=False`` (the JL strategy) the exact norms are never formed: only
+    ``project`` and ``weighted_sum`` are used.
+    """
+
+    def __init__(self, variable, terms, dz_of, exact_norms=True, num_projections=1):
         self.variable = variable
         kinds = {type(t) for t in terms}
         self.kind = None
         self.per = None
+        self.sq = None
         if kinds == {OuterTerm}:
             fac = [t.factors(dz_of(t)) for t in terms]
             self.a = tf.concat([f[0] for f in fac], axis=1) if len(fac) > 1 else fac[0][0]
             self.g = tf.concat([f[1] for f in fac], axis=1) if len(fac) > 1 else fac[0][1]
-            self.sq, self.per = _outer_sq_norms(self.a, self.g)
+            if exact_norms:
+                self.sq, self.per = _outer_sq_norms(self.a, self.g)
+            elif _materialise_for_projection(self.a, self.g, num_projections):
+                self.per = tf.einsum("btd,btp->bdp", self.a, self.g)
             self.kind = "outer"
         elif kinds == {EmbeddingTerm}:
             fac = [t.factors(dz_of(t)) for t in terms]
             self.ids = tf.concat([f[0] for f in fac], axis=1)
             self.g = tf.concat([f[1] for f in fac], axis=1)
-            self.sq = _embedding_sq_norms(self.ids, self.g)
+            if exact_norms:
+                self.sq = _embedding_sq_norms(self.ids, self.g)
             self.kind = "embedding"
         else:
             per = None
@@ -510,13 +534,33 @@ class _VarNorm:
                 p = _flat_per_example(p)
                 per = p if per is None else per + p
             self.per = per
-            self.sq = tf.reduce_sum(tf.square(per), axis=1)
+            if exact_norms:
+                self.sq = tf.reduce_sum(tf.square(per), axis=1)
             self.kind = "direct"
+
+    def project(self, directions):
+        """``P[j, i] = <g_i, v_j>`` for directions (r, *variable.shape) -> (r, B)."""
+        r = directions.shape[0]
+        if self.per is not None:
+            v = tf.reshape(tf.cast(directions, self.per.dtype), [r, -1])
+            return tf.matmul(v, tf.reshape(self.per, [tf.shape(self.per)[0], -1]),
+                             transpose_b=True)
+        if self.kind == "outer":
+            d, p = self.a.shape[-1], self.g.shape[-1]
+            v = tf.reshape(tf.cast(directions, self.a.dtype), [r, d, p])
+            if p <= d:
+                av = tf.einsum("btd,rdp->rbtp", self.a, v)
+                return tf.einsum("rbtp,btp->rb", av, self.g)
+            gv = tf.einsum("btp,rdp->rbtd", self.g, v)
+            return tf.einsum("rbtd,btd->rb", gv, self.a)
+        if self.kind == "embedding":
+            rows = tf.gather(tf.cast(directions, self.g.dtype), self.ids, axis=1)  # (r,B,T,D)
+            return tf.einsum("rbtd,btd->rb", rows, self.g)
+        raise AssertionError(self.kind)
 
     def weighted_sum(self, w):
         """``sum_i w_i g_i`` in the variable's shape."""
         shape = self.variable.shape
-        dtype = self.sq.dtype
         if self.per is not None:
             wp = tf.cast(w, self.per.dtype)
             flat = tf.tensordot(wp, tf.reshape(self.per, [tf.shape(self.per)[0], -1]), axes=1)
@@ -525,14 +569,17 @@ class _VarNorm:
             aw = self.a * tf.cast(w, self.a.dtype)[:, None, None]
             return tf.reshape(tf.einsum("btd,btp->dp", aw, self.g), shape)
         if self.kind == "embedding":
-            gw = self.g * tf.cast(w, dtype)[:, None, None]
+            gw = self.g * tf.cast(w, self.g.dtype)[:, None, None]
             return tf.math.unsorted_segment_sum(
                 tf.reshape(gw, [-1, shape[-1]]), tf.reshape(self.ids, [-1]), shape[0])
         raise AssertionError(self.kind)
 
 
-def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss):
+def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss, exact_norms=True,
+                num_projections=1):
     """Per-variable norm objects for every recorded variable whose output gradient exists.
+
+    ``exact_norms=False`` skips the exact norms (JL projections are taken instead).
 
     Returns (dict var_id -> _VarNorm, list of variables left uncovered because their
     recorded outputs got no gradient, e.g. used inside a loop the tape cannot see into).
@@ -550,5 +597,6 @@ def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss):
             # cannot see (a loop body). Leave it to the exact vectorized fallback.
             uncovered.append(var)
             continue
-        out[key] = _VarNorm(var, terms, lambda t: tf.convert_to_tensor(dz_map[id(t.z)]))
+        out[key] = _VarNorm(var, terms, lambda t: tf.convert_to_tensor(dz_map[id(t.z)]),
+                            exact_norms, num_projections)
     return out, uncovered

@@ -8,7 +8,11 @@ Differentially Private-SGD via JL Projections", Algorithm 1:
     M_i  = sqrt(mean_j P_ij^2)        E[M_i^2] = ||grad l_i||^2
     backpropagate sum_i l_i / max(1, M_i / C)   (scale under stop_gradient)
 
-Works for any architecture: no per-layer rule is needed, only JVPs, computed with
+Works for any architecture. For weights of layers with a ghost-norm rule (Dense, Conv,
+Embedding, normalisations, EinsumDense, LSTM, the reparametrized layers) ``P_ij`` comes
+from the factors one ordinary backward pass records (``sum_t a_it^T v_j dz_it``): the same
+number forward-mode AD would give, at the cost of r small products per layer instead of r
+forward passes. Every other weight gets its ``P_ij`` from JVPs computed with
 ``tf.autodiff.ForwardAccumulator`` on the layers' own forward pass. Keras recurrent layers
 are unrolled while traced (their while_loop over TensorArrays has no forward-mode rule), and
 the random state of dropout-like layers is replayed so every JVP and the backward pass see
@@ -60,30 +64,51 @@ def jl_norms(projections):
     return tf.sqrt(tf.reduce_mean(tf.square(projections), axis=0))
 
 
-def jl_forward(model, per_example_loss, x, y, sample_weight, variables, num_projections, seed,
-               tape):
-    """Runs r forward passes with forward-mode AD; the first one is recorded by ``tape``.
+def forward_projections(model, per_example_loss, x, y, sample_weight, variables, dirs,
+                        tape=None, replay=None):
+    """``P[j, i] = <grad_variables l_i, dirs[j]>`` by one forward-mode pass per direction.
 
-    Returns (per-example losses of the recorded pass, outputs, projections (r, B)).
+    ``dirs`` is a list over j of lists over ``variables``. The first pass is recorded by
+    ``tape`` if given. ``replay`` (from :func:`save_random_state`) resets dropout-like random
+    state before every pass, so all passes (and any earlier one) see the same masks.
+
+    Returns (per-example losses of the first pass, its outputs, projections (r, B)).
     """
     prims = [v.value if hasattr(v, "value") else v for v in variables]
-    dirs = directions(variables, num_projections, seed)
-    gens = _seed_generators(model)
-    saved = [tf.identity(g.state.value) for g in gens]
+    gens, saved = replay if replay is not None else save_random_state(model)
     projections, losses0, pred0 = [], None, None
     with vmap._vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
-        for j in range(num_projections):
+        for j, dirs_j in enumerate(dirs):
             for g, s in zip(gens, saved):
                 g.state.assign(s)
-            with tf.autodiff.ForwardAccumulator(prims, dirs[j]) as acc:
-                if j == 0:
+            with tf.autodiff.ForwardAccumulator(prims, dirs_j) as acc:
+                if j == 0 and tape is not None:
                     with tape:
                         pred = model(x, training=True)
                         losses = per_example_loss(y, pred, sample_weight)
-                    losses0, pred0 = losses, pred
                 else:
                     pred = model(x, training=True)
                     losses = per_example_loss(y, pred, sample_weight)
+                if j == 0:
+                    losses0, pred0 = losses, pred
             jvp = acc.jvp(losses, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             projections.append(jvp)
     return losses0, pred0, tf.stack(projections)
+
+
+def save_random_state(model):
+    """The model's seed generators and copies of their current states (for replay)."""
+    gens = _seed_generators(model)
+    return gens, [tf.identity(g.state.value) for g in gens]
+
+
+def jl_forward(model, per_example_loss, x, y, sample_weight, variables, num_projections, seed,
+               tape):
+    """r forward-mode passes over all ``variables`` with the directions drawn from ``seed``;
+    the first one is recorded by ``tape``.
+
+    Returns (per-example losses of the recorded pass, outputs, projections (r, B)).
+    """
+    dirs = directions(variables, num_projections, seed)
+    return forward_projections(model, per_example_loss, x, y, sample_weight, variables, dirs,
+                               tape)

@@ -144,22 +144,60 @@ def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip
 
 def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables,
                     num_projections, seed):
+    """JL norms (Bu et al. 2021): ``M_i = sqrt(mean_j <g_i, v_j>^2)``, then the clipped sum.
+
+    ``<g_i, v_j>`` is summed over variables: from the recorded factors for every variable
+    a ghost rule covers (one forward, one backward to the layer outputs), by forward-mode
+    JVPs for the others. The clipped sum is formed from the same factors for the former
+    and by one backward pass of ``sum_i w_i l_i`` for the latter.
+    """
     jl.validate_num_projections(num_projections)
     if seed is None:
         raise ValueError("norm_strategy='jl' needs a `seed` for its projections.")
-    tape = tf.GradientTape(watch_accessed_variables=False)
-    with tape:
+    batch = batch_size_of(x)
+    replay = jl.save_random_state(model)
+    with tf.GradientTape() as tape:
         tape.watch([v.value if hasattr(v, "value") else v for v in variables])
-    losses, y_pred, projections = jl.jl_forward(model, per_example_loss, x, y, sample_weight,
-                                                variables, num_projections, seed, tape)
+        with ghost.capture(ghost.capturable_layers(model), batch) as rec:
+            y_pred = model(x, training=True)
+        losses = per_example_loss(y, y_pred, sample_weight)
+        total = tf.reduce_sum(losses)
+    norm_objs, _ = ghost.ghost_norms(rec, tape, total, exact_norms=False,
+                                     num_projections=num_projections)
+    wanted = {id(v) for v in variables}
+    by_id = {id(o.variable): o for o in norm_objs.values() if id(o.variable) in wanted}
+    dirs = jl.directions(variables, num_projections, seed)
+    projections = tf.zeros([num_projections, tf.shape(losses)[0]], losses.dtype)
+    for k, v in enumerate(variables):
+        if id(v) in by_id:
+            stacked = tf.stack([dirs[j][k] for j in range(num_projections)])
+            projections += tf.cast(by_id[id(v)].project(stacked), losses.dtype)
+    fallback = [k for k, v in enumerate(variables) if id(v) not in by_id]
+    fb_tape = None
+    if fallback:
+        fb_vars = [variables[k] for k in fallback]
+        fb_tape = tf.GradientTape(watch_accessed_variables=False)
+        with fb_tape:
+            fb_tape.watch([v.value if hasattr(v, "value") else v for v in fb_vars])
+        fb_losses, _, fb_proj = jl.forward_projections(
+            model, per_example_loss, x, y, sample_weight, fb_vars,
+            [[dirs[j][k] for k in fallback] for j in range(num_projections)], fb_tape, replay)
+        projections += tf.cast(fb_proj, losses.dtype)
     norms = jl.jl_norms(projections)
     w = clip_factors(norms, l2_norm_clip)
-    with tape:
-        # One backward pass of sum_i l_i / max(1, M_i / C) gives the clipped sum.
-        weighted = tf.reduce_sum(w * losses)
-    grads = tape.gradient(weighted, [v.value if hasattr(v, "value") else v for v in variables],
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    grads = [tf.cast(tf.convert_to_tensor(g), v.dtype) for g, v in zip(grads, variables)]
+    fb_grads = {}
+    if fallback:
+        with fb_tape:
+            # One backward pass of sum_i l_i / max(1, M_i / C) gives their clipped sum.
+            weighted = tf.reduce_sum(tf.cast(w, fb_losses.dtype) * fb_losses)
+        got = fb_tape.gradient(weighted, [v.value if hasattr(v, "value") else v
+                                          for v in fb_vars],
+                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        fb_grads = {id(v): g for v, g in zip(fb_vars, got)}
+    grads = []
+    for v in variables:
+        g = by_id[id(v)].weighted_sum(w) if id(v) in by_id else fb_grads[id(v)]
+        grads.append(tf.cast(tf.convert_to_tensor(g), v.dtype))
     return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
 
 
