@@ -481,13 +481,20 @@ def _embedding_sq_norms(ids, g):
     return tf.reduce_sum(same * gg, axis=[1, 2])
 
 
+#: per-example gradients of at most this many entries per example are materialised for JL
+#: projections even when the projected factors would be smaller (fewer flops: B*T*d*p +
+#: r*B*d*p instead of r*B*T*d*p).
+_MATERIALISE_MAX_ENTRIES = 1 << 16
+
+
 def _materialise_for_projection(a, g, num_projections):
     """JL projections of an outer-product term: materialise the per-example gradient
-    (B, d, p) when it is no larger than the r projected factors (r, B, T, min(d, p))."""
+    (B, d, p) when it is small, or no larger than the r projected factors (r, B, T,
+    min(d, p)); otherwise project the factors (memory stays that of the activations)."""
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
     if t is None or d is None or p is None:
         return False
-    return d * p <= num_projections * t * min(d, p)
+    return d * p <= max(_MATERIALISE_MAX_ENTRIES, num_projections * t * min(d, p))
 
 
 class _VarNorm:
