@@ -179,6 +179,61 @@ def test_lstm_with_dropout_falls_back_to_vmap():
     assert all(np.all(np.isfinite(g.numpy())) for g in res.grads)
 
 
+class _TiedOutput(L.Layer):
+    """Logits from the embedding table itself (tied input/output embeddings)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return tf.matmul(h, self.embedding.embeddings, transpose_b=True)
+
+
+def test_tied_weights_read_outside_their_layer_take_the_exact_fallback():
+    # The table gets gradient from the lookup (a ghost term) and from the output projection
+    # (no term): ghost factors alone would miss the second part. It must match brute force.
+    keras.utils.set_random_seed(9)
+    inp = keras.Input((5,), dtype="int32")
+    emb = L.Embedding(12, 4)
+    h = L.GlobalAveragePooling1D()(L.Dense(4, activation="tanh")(emb(inp)))
+    model = keras.Model(inp, _TiedOutput(emb)(h))
+    x = RNG.integers(0, 12, size=(4, 5)).astype("int32")
+    y = RNG.integers(0, 12, size=4)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    _check(model, x, y, loss, "auto", clip=0.5)
+    with pytest.raises(ValueError, match="no ghost-norm formula"):
+        _check(model, x, y, loss, "ghost")
+
+
+def test_unknown_batch_keeps_the_static_factor_shapes():
+    # Poisson-sampled batches have an unknown size when traced. The factors must keep their
+    # static (T, d) so the ghost/materialised choice is the same as for a fixed batch (it
+    # was not: an unknown T picked the B*T^2 ghost form, 4x slower on the tutorial CNN).
+    seen = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 3])])
+    def shapes(x):
+        seen.append(ghost.rows(x).shape.as_list())
+        seen.append(ghost.conv_patches(x, (2, 2), (1, 1), (1, 1), "valid").shape.as_list())
+        return x
+
+    shapes(tf.zeros([2, 6, 6, 3]))
+    assert seen == [[None, 36, 3], [None, 25, 12]]
+
+
+def test_clipped_sum_traced_with_unknown_batch_matches_brute_force():
+    keras.utils.set_random_seed(10)
+    model = _seq(L.Conv2D(3, 3, activation="tanh"), L.Flatten(), L.Dense(2), inp=((6, 6, 2),))
+    x = RNG.normal(size=(5, 6, 6, 2)).astype("float32")
+    y = RNG.normal(size=(5, 2)).astype("float32")
+    loss_fn = build_per_example_loss("mse")
+    bf = _brute_force(model, loss_fn, x, y, model.trainable_variables)
+    fn = tf.function(lambda a, b: clipped_sum(model, a, b, None, loss_fn, 0.3).norms,
+                     input_signature=[tf.TensorSpec([None, 6, 6, 2]), tf.TensorSpec([None, 2])])
+    np.testing.assert_allclose(fn(x, y).numpy(), _norms(bf), rtol=1e-5)
+
+
 def test_gru_and_custom_layer_fallback():
     keras.utils.set_random_seed(5)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import string
+import threading
 from typing import Callable
 
 import keras
@@ -55,7 +56,7 @@ class EmbeddingTerm:
     def factors(self, dz):
         batch = tf.shape(dz)[0]
         ids = tf.reshape(tf.cast(self.ids, tf.int32), [batch, -1])
-        g = tf.reshape(dz, [batch, -1, tf.shape(dz)[-1]])
+        g = rows(dz)
         return ids, g
 
 
@@ -67,8 +68,23 @@ class DirectTerm:
         self.grad_fn = grad_fn
 
 
+def rows(t, last=None):
+    """Reshapes (B, ..., d) to (B, T, d) with ``last`` = d (default: t's last axis).
+
+    T (and d) stay static whenever t's non-batch shape is, even with an unknown batch (a
+    Poisson-sampled batch): the choice between ghost and materialised norms depends on T.
+    """
+    tail = t.shape[1:]
+    if last is None:
+        last = tail[-1] if tail.rank and tail[-1] is not None else tf.shape(t)[-1]
+    steps = -1
+    if isinstance(last, int) and tail.is_fully_defined() and last > 0:
+        steps = max(tail.num_elements() // last, 0)
+    return tf.reshape(t, [tf.shape(t)[0], steps, last])
+
+
 def _to_btp(dz):
-    return tf.reshape(dz, [tf.shape(dz)[0], -1, tf.shape(dz)[-1]])
+    return rows(dz)
 
 
 def _flat_per_example(t):
@@ -86,6 +102,8 @@ class Recorder:
         self.terms: dict[int, list] = {}
         self.variables: dict[int, object] = {}
         self.layers_called: list = []
+        self.depth = 0  # > 0 while a registered layer's rule runs
+        self.outside_reads: set[int] = set()  # variables read anywhere else
 
     def add(self, variable, term):
         key = id(variable)
@@ -167,7 +185,7 @@ def _dense(layer, rec, inputs, training=None):
     if layer.bias is not None:
         z = z + _alias(layer.bias, dtype)
     d = x.shape[-1]
-    rec.add(layer.kernel, OuterTerm(z, lambda: tf.reshape(x, [tf.shape(x)[0], -1, d])))
+    rec.add(layer.kernel, OuterTerm(z, lambda: rows(x, d)))
     if layer.bias is not None:
         rec.add(layer.bias, DirectTerm(z, lambda dz: tf.reduce_sum(_to_btp(dz), axis=1)))
     return layer.activation(z) if layer.activation is not None else z
@@ -205,7 +223,7 @@ def conv_patches(x, kernel_size, strides, dilation_rate, padding):
         patches = tf.image.extract_patches(
             x, sizes=[1, kh, kw, 1], strides=[1, strides[0], strides[1], 1],
             rates=[1, dilation_rate[0], dilation_rate[1], 1], padding=padding.upper())
-    return tf.reshape(patches, [tf.shape(patches)[0], -1, width])
+    return rows(patches, width)
 
 
 def _conv_patches(layer, x, padding):
@@ -375,12 +393,12 @@ def _einsum_term(z, x, in_s, ker_s, out_s):
     def a_fn():
         perm = [in_s.index(c) for c in [b] + shared + contract]
         xt = tf.transpose(x, perm)
-        return tf.reshape(xt, [tf.shape(x)[0], -1, _prod(x.shape, [in_s.index(c) for c in contract])])
+        return rows(xt, _prod(x.shape, [in_s.index(c) for c in contract]))
 
     def dz_fn(dz):
         perm = [out_s.index(c) for c in [b] + shared + kout]
         gt = tf.transpose(dz, perm)
-        return tf.reshape(gt, [tf.shape(dz)[0], -1, _prod(z.shape, [out_s.index(c) for c in kout])])
+        return rows(gt, _prod(z.shape, [out_s.index(c) for c in kout]))
 
     return OuterTerm(z, a_fn, dz_fn)
 
@@ -426,11 +444,63 @@ def capturable_layers(model):
     return uniq
 
 
+# ------------------------------------------------------------------ variable reads
+#
+# A weight read outside its layer's rule (a tied embedding used as the output projection,
+# a custom layer reading another layer's kernel) has gradient contributions no recorded
+# term describes. Reads are tracked while a capture is active (the property that every
+# Keras variable read goes through is wrapped, per thread, only then); such variables are
+# left to the exact fallback instead of getting a partial gradient.
+
+_TRACK = threading.local()
+_TRACK_LOCK = threading.Lock()
+_TRACK_STATE = {"users": 0, "owner": None, "original": None}
+
+
+def _variable_value_owner():
+    return next(c for c in keras.Variable.__mro__ if "value" in c.__dict__)
+
+
+def _tracked_value(self):
+    recs = getattr(_TRACK, "recorders", None)
+    if recs and recs[-1].depth == 0:
+        recs[-1].outside_reads.add(id(self))
+    return _TRACK_STATE["original"].fget(self)
+
+
+@contextlib.contextmanager
+def _tracking_reads(rec):
+    with _TRACK_LOCK:
+        if _TRACK_STATE["users"] == 0:
+            owner = _variable_value_owner()
+            _TRACK_STATE["owner"], _TRACK_STATE["original"] = owner, owner.__dict__["value"]
+            owner.value = property(_tracked_value, doc=_TRACK_STATE["original"].__doc__)
+        _TRACK_STATE["users"] += 1
+    stack = getattr(_TRACK, "recorders", None)
+    if stack is None:
+        stack = _TRACK.recorders = []
+    stack.append(rec)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _TRACK_LOCK:
+            _TRACK_STATE["users"] -= 1
+            if _TRACK_STATE["users"] == 0:
+                _TRACK_STATE["owner"].value = _TRACK_STATE["original"]
+
+
 @contextlib.contextmanager
 def capture(layers, batch_size):
     """Within the context, calls of ``layers`` record terms in the yielded ``Recorder``."""
     rec = Recorder(batch_size)
     patched = []
+    with _tracking_reads(rec), _patched_calls(layers, rec, patched):
+        yield rec
+
+
+@contextlib.contextmanager
+def _patched_calls(layers, rec, patched):
     try:
         for layer in layers:
             fn = registered_fn(layer)
@@ -438,7 +508,11 @@ def capture(layers, batch_size):
             bound = layer.call
 
             def call(*args, _layer=layer, _fn=fn, _bound=bound, **kwargs):
-                out = _fn(_layer, rec, *args, **kwargs)
+                rec.depth += 1
+                try:
+                    out = _fn(_layer, rec, *args, **kwargs)
+                finally:
+                    rec.depth -= 1
                 if out is NotImplemented:
                     return _bound(*args, **kwargs)
                 rec.layers_called.append(_layer)
@@ -446,7 +520,7 @@ def capture(layers, batch_size):
 
             layer.call = call
             patched.append((layer, original))
-        yield rec
+        yield
     finally:
         for layer, original in patched:
             if original is None:
@@ -599,6 +673,10 @@ def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss, exact_norms=Tr
     out, uncovered = {}, []
     for key, terms in rec.terms.items():
         var = rec.variables[key]
+        if key in rec.outside_reads:
+            # Also used outside its layer's rule (tied weights): no term covers that use.
+            uncovered.append(var)
+            continue
         if any(dz_map[id(t.z)] is None for t in terms):
             # No gradient through a recorded output: either unused, or used where the tape
             # cannot see (a loop body). Leave it to the exact vectorized fallback.

@@ -51,9 +51,9 @@ def _reparam_dense(layer, rec, inputs, training=None):
     m_in, m_out = _masks(layer)
     d, r, n = x.shape[-1], layer.rank, layer.units
     rec.add(layer.left_carrier, ghost.OuterTerm(
-        h, lambda: _masked_factor(tf.reshape(x, [tf.shape(x)[0], -1, d]), m_in, d)))
+        h, lambda: _masked_factor(ghost.rows(x, d), m_in, d)))
     rec.add(layer.right_carrier, ghost.OuterTerm(
-        z, lambda: tf.reshape(h, [tf.shape(h)[0], -1, r]),
+        z, lambda: ghost.rows(h, r),
         lambda dz: _masked_factor(ghost._to_btp(dz), m_out, n)))
     if layer.bias is not None:
         rec.add(layer.bias, ghost.DirectTerm(z, lambda dz: tf.reduce_sum(ghost._to_btp(dz), 1)))
