@@ -87,7 +87,8 @@ class _Scale(L.Layer):
 
 
 def _mixed_case(seed=0, n=4, dtype="float32"):
-    """GRU and a custom layer (forward-mode JVPs) between an Embedding and a Dense (factors)."""
+    """A custom layer (forward-mode JVPs) after an Embedding and a GRU, before a Dense
+    (projections from their factors)."""
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((5,), dtype="int32"), L.Embedding(20, 4, dtype=dtype),
                               L.GRU(3, dtype=dtype), _Scale(dtype=dtype), L.Dense(1, dtype=dtype)])

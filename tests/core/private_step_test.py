@@ -141,7 +141,7 @@ def test_bidirectional_lstm_is_covered_by_its_ghost_rule():
     _check(model, x, y, "mse", "vmap")
 
 
-_LSTM_VARIANTS = {
+_RNN_VARIANTS = {
     # Keras's masking semantics: masked steps keep the state; their output is the previous
     # one, or zeros with zero_output_for_mask (which Bidirectional sets with sequences).
     "sequences_masked": lambda: _seq(L.Embedding(20, 8, mask_zero=True),
@@ -152,13 +152,23 @@ _LSTM_VARIANTS = {
     "backwards_no_bias_stacked": lambda: _seq(
         L.Embedding(20, 8), L.LSTM(5, go_backwards=True, use_bias=False, return_sequences=True),
         L.LSTM(3, activation="relu"), L.Dense(1), inp=((9,), "int32")),
+    "gru_sequences_masked": lambda: _seq(L.Embedding(20, 8, mask_zero=True),
+                                         L.Bidirectional(L.GRU(5, return_sequences=True)),
+                                         L.GlobalAveragePooling1D(), L.Dense(1),
+                                         inp=((9,), "int32")),
+    "gru_reset_before_backwards": lambda: _seq(
+        L.Embedding(20, 8, mask_zero=True), L.GRU(5, reset_after=False, go_backwards=True),
+        L.Dense(1), inp=((9,), "int32")),
+    "gru_no_bias_stacked": lambda: _seq(
+        L.Embedding(20, 8), L.GRU(5, use_bias=False, return_sequences=True),
+        L.GRU(3, reset_after=False), L.Dense(1), inp=((9,), "int32")),
 }
 
 
-@pytest.mark.parametrize("name", sorted(_LSTM_VARIANTS))
-def test_lstm_variants_match_brute_force(name):
+@pytest.mark.parametrize("name", sorted(_RNN_VARIANTS))
+def test_recurrent_variants_match_brute_force(name):
     keras.utils.set_random_seed(7)
-    model = _LSTM_VARIANTS[name]()
+    model = _RNN_VARIANTS[name]()
     x = RNG.integers(1, 20, size=(4, 9)).astype("int32")
     x[1:, -3:] = 0  # trailing padding on all but the first example
     x[2, 2] = 0  # and a hole inside one sequence
@@ -234,7 +244,7 @@ def test_clipped_sum_traced_with_unknown_batch_matches_brute_force():
     np.testing.assert_allclose(fn(x, y).numpy(), _norms(bf), rtol=1e-5)
 
 
-def test_gru_and_custom_layer_fallback():
+def test_custom_layer_fallback_next_to_a_gru():
     keras.utils.set_random_seed(5)
 
     class Scale(L.Layer):
