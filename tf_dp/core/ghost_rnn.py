@@ -35,28 +35,67 @@ import tensorflow as tf
 from tf_dp.core import ghost
 
 
-def _unsupported(layer, initial_state, training, layer_cls, cell_cls):
+def _prepare(layer, rec, sequences, mask, initial_state, training, layer_cls, cell_cls):
+    """(x, mask, kernel, recurrent kernel) for a supported layer call, or None."""
     cell = layer.cell
     if type(layer).call is not layer_cls.call or type(cell) is not cell_cls:
-        return True
+        return None
     if getattr(layer, "stateful", False) or layer.return_state or initial_state is not None:
-        return True
+        return None
     if training and (cell.dropout > 0 or cell.recurrent_dropout > 0):
-        return True
-    return ghost._is_unsupported_variant(cell)
-
-
-def _inputs(layer, rec, sequences, mask):
-    x = tf.cast(tf.convert_to_tensor(sequences), layer.cell.compute_dtype)
+        return None
+    if ghost._is_unsupported_variant(cell):
+        return None
+    x = tf.cast(tf.convert_to_tensor(sequences), cell.compute_dtype)
     if x.shape.rank != 3:
-        return None, None
+        return None
     rec.check_batch(layer, x)
     if isinstance(mask, (list, tuple)):
         mask = mask[0]
     if layer.go_backwards:
         x = tf.reverse(x, [1])
         mask = None if mask is None else tf.reverse(mask, [1])
-    return x, mask
+    return (x, mask, ghost._alias(cell.kernel, x.dtype),
+            ghost._alias(cell.recurrent_kernel, x.dtype))
+
+
+def _run(layer, zx, mask, num_states, cell_step):
+    """Runs ``cell_step(states, z_t) -> (new_states, extra)`` over time (``tf.scan``).
+
+    States start at zeros, the first is the output h. Keras's masking semantics: a masked
+    step keeps the states; its output is the previous one, or zeros with
+    ``zero_output_for_mask``. Returns (h after each step (B, T, H), the per-step ``extra``
+    (B, T, H), the layer's output).
+    """
+    zero_out = bool(getattr(layer, "zero_output_for_mask", False))
+    h0 = tf.zeros([tf.shape(zx)[0], layer.cell.units], zx.dtype)
+
+    def step(carry, elems):
+        states = carry[0]
+        z_t, m_t = elems
+        new_states, extra = cell_step(states, z_t)
+        h_new = new_states[0]
+        if m_t is None:
+            return new_states, extra, h_new
+        m = m_t[:, None]
+        kept = tuple(tf.where(m, n, o) for n, o in zip(new_states, states))
+        out = tf.where(m, h_new, tf.zeros_like(h_new)) if zero_out else kept[0]
+        return kept, extra, out
+
+    zx_tm = tf.transpose(zx, [1, 0, 2])
+    init = ((h0,) * num_states, h0, h0)
+    if mask is None:
+        states, extra, outs = tf.scan(lambda carry, z_t: step(carry, (z_t, None)), zx_tm,
+                                      initializer=init)
+    else:
+        m_tm = tf.transpose(tf.cast(mask, tf.bool), [1, 0])
+        states, extra, outs = tf.scan(step, (zx_tm, m_tm), initializer=init)
+    if layer.return_sequences:
+        output = tf.transpose(outs, [1, 0, 2])
+    else:
+        output = outs[-1]
+    return (tf.transpose(states[0], [1, 0, 2]), tf.transpose(extra, [1, 0, 2]),
+            tf.cast(output, layer.compute_dtype))
 
 
 def _previous(hs):
@@ -64,92 +103,54 @@ def _previous(hs):
     return tf.concat([tf.zeros_like(hs[:, :1]), hs[:, :-1]], axis=1)
 
 
-def _output(layer, outs):
-    if layer.return_sequences:
-        return tf.cast(tf.transpose(outs, [1, 0, 2]), layer.compute_dtype)
-    return tf.cast(outs[-1], layer.compute_dtype)
-
-
 @ghost.register(keras.layers.LSTM)
 def _lstm(layer, rec, sequences, initial_state=None, mask=None, training=False):
-    if _unsupported(layer, initial_state, training, keras.layers.LSTM, keras.layers.LSTMCell):
+    prep = _prepare(layer, rec, sequences, mask, initial_state, training, keras.layers.LSTM,
+                    keras.layers.LSTMCell)
+    if prep is None:
         return NotImplemented
+    x, mask, kernel, recurrent = prep
     cell = layer.cell
-    x, mask = _inputs(layer, rec, sequences, mask)
-    if x is None:
-        return NotImplemented
-    dtype = x.dtype
-    units = cell.units
-    kernel = ghost._alias(cell.kernel, dtype)
-    recurrent = ghost._alias(cell.recurrent_kernel, dtype)
     zx = tf.einsum("btd,dp->btp", x, kernel)
     if cell.use_bias:
-        zx = zx + ghost._alias(cell.bias, dtype)
-    batch = tf.shape(x)[0]
-    h0 = tf.zeros([batch, units], dtype)
-    zero_out = bool(getattr(layer, "zero_output_for_mask", False))
+        zx = zx + ghost._alias(cell.bias, x.dtype)
 
-    def step(carry, elems):
-        h, c, _ = carry
-        z_t, m_t = elems
-        z = z_t + tf.matmul(h, recurrent)
-        zi, zf, zc, zo = tf.split(z, 4, axis=1)
-        i = cell.recurrent_activation(zi)
-        f = cell.recurrent_activation(zf)
-        c_new = f * c + i * cell.activation(zc)
-        o = cell.recurrent_activation(zo)
-        h_new = o * cell.activation(c_new)
-        if m_t is None:
-            return h_new, c_new, h_new
-        m = m_t[:, None]
-        h_kept = tf.where(m, h_new, h)
-        out = tf.where(m, h_new, tf.zeros_like(h_new)) if zero_out else h_kept
-        return h_kept, tf.where(m, c_new, c), out
+    def cell_step(states, z_t):
+        h, c = states
+        zi, zf, zc, zo = tf.split(z_t + tf.matmul(h, recurrent), 4, axis=1)
+        c_new = (cell.recurrent_activation(zf) * c
+                 + cell.recurrent_activation(zi) * cell.activation(zc))
+        h_new = cell.recurrent_activation(zo) * cell.activation(c_new)
+        return (h_new, c_new), h_new
 
-    zx_tm = tf.transpose(zx, [1, 0, 2])
-    if mask is None:
-        hs, _, outs = tf.scan(lambda carry, z_t: step(carry, (z_t, None)), zx_tm,
-                              initializer=(h0, h0, h0))
-    else:
-        m_tm = tf.transpose(tf.cast(mask, tf.bool), [1, 0])
-        hs, _, outs = tf.scan(step, (zx_tm, m_tm), initializer=(h0, h0, h0))
-    hs = tf.transpose(hs, [1, 0, 2])  # (B, T, H): state after each step
-
+    hs, _, output = _run(layer, zx, mask, 2, cell_step)
     rec.add(cell.kernel, ghost.OuterTerm(zx, lambda: x))
     rec.add(cell.recurrent_kernel, ghost.OuterTerm(zx, lambda: _previous(hs)))
     if cell.use_bias:
         rec.add(cell.bias, ghost.DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
-    return _output(layer, outs)
+    return output
 
 
 @ghost.register(keras.layers.GRU)
 def _gru(layer, rec, sequences, initial_state=None, mask=None, training=False):
-    if _unsupported(layer, initial_state, training, keras.layers.GRU, keras.layers.GRUCell):
+    prep = _prepare(layer, rec, sequences, mask, initial_state, training, keras.layers.GRU,
+                    keras.layers.GRUCell)
+    if prep is None:
         return NotImplemented
+    x, mask, kernel, recurrent = prep
     cell = layer.cell
-    x, mask = _inputs(layer, rec, sequences, mask)
-    if x is None:
-        return NotImplemented
-    dtype = x.dtype
-    units = cell.units
-    reset_after = cell.reset_after
-    kernel = ghost._alias(cell.kernel, dtype)
-    recurrent = ghost._alias(cell.recurrent_kernel, dtype)
+    units, reset_after = cell.units, cell.reset_after
     zx = tf.einsum("btd,dp->btp", x, kernel)
     rec_bias = None
     if cell.use_bias:
-        bias = ghost._alias(cell.bias, dtype)
+        bias = ghost._alias(cell.bias, x.dtype)
         if reset_after:
-            zx = zx + bias[0]
-            rec_bias = bias[1]
+            zx, rec_bias = zx + bias[0], bias[1]
         else:
             zx = zx + bias
-    h0 = tf.zeros([tf.shape(x)[0], units], dtype)
-    zero_out = bool(getattr(layer, "zero_output_for_mask", False))
 
-    def step(carry, elems):
-        h, _, _ = carry
-        z_t, m_t = elems
+    def cell_step(states, z_t):
+        (h,) = states
         x_z, x_r, x_h = tf.split(z_t, 3, axis=1)
         if reset_after:
             inner = tf.matmul(h, recurrent)
@@ -164,24 +165,9 @@ def _gru(layer, rec, sequences, initial_state=None, mask=None, training=False):
             cand = x_h + rg * r_h
         else:
             cand = x_h + tf.matmul(rg * h, recurrent[:, 2 * units:])
-        h_new = zg * h + (1 - zg) * cell.activation(cand)
-        if m_t is None:
-            return h_new, rg, h_new
-        m = m_t[:, None]
-        h_kept = tf.where(m, h_new, h)
-        out = tf.where(m, h_new, tf.zeros_like(h_new)) if zero_out else h_kept
-        return h_kept, rg, out
+        return (zg * h + (1 - zg) * cell.activation(cand),), rg
 
-    zx_tm = tf.transpose(zx, [1, 0, 2])
-    init = (h0, h0, h0)
-    if mask is None:
-        hs, rs, outs = tf.scan(lambda carry, z_t: step(carry, (z_t, None)), zx_tm,
-                               initializer=init)
-    else:
-        m_tm = tf.transpose(tf.cast(mask, tf.bool), [1, 0])
-        hs, rs, outs = tf.scan(step, (zx_tm, m_tm), initializer=init)
-    hs = tf.transpose(hs, [1, 0, 2])
-    rs = tf.transpose(rs, [1, 0, 2])
+    hs, rs, output = _run(layer, zx, mask, 1, cell_step)
 
     def split(dz):
         return tf.split(dz, 3, axis=-1)
@@ -210,4 +196,4 @@ def _gru(layer, rec, sequences, initial_state=None, mask=None, training=False):
         rec.add(cell.recurrent_kernel, ghost.OuterTerm(zx, a_two, g_two))
         if cell.use_bias:
             rec.add(cell.bias, ghost.DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
-    return _output(layer, outs)
+    return output
