@@ -126,7 +126,7 @@ def _brute_norms_and_sums(model, loss_fn, x, y, variables, clip):
     return norms, sums
 
 
-@pytest.mark.parametrize("kind", ["dense_seq", "conv"])
+@pytest.mark.parametrize("kind", ["dense_seq", "conv", "conv_then_dense"])
 @pytest.mark.parametrize("sparsity", [None, 0.5])
 @pytest.mark.parametrize("strategy", ["ghost", "vmap"])
 def test_carrier_norms_and_sums_match_brute_force(kind, sparsity, strategy):
@@ -136,14 +136,23 @@ def test_carrier_norms_and_sums_match_brute_force(kind, sparsity, strategy):
         plain = keras.Sequential([keras.Input((5, 6)), keras.layers.Dense(8, activation="tanh"),
                                   keras.layers.Flatten(), keras.layers.Dense(3)])
         x = rng.normal(size=(4, 5, 6)).astype("float32")
+    elif kind == "conv_then_dense":
+        # Both layers reparametrized: the conv's carriers get their gradient through the
+        # Dense rule's input gradient (x·sg(W) only, not the carrier path).
+        plain = keras.Sequential([keras.Input((7, 7, 3)),
+                                  keras.layers.Conv2D(6, 3, strides=2, padding="same",
+                                                      activation="tanh"),
+                                  keras.layers.Flatten(), keras.layers.Dense(5, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        x = rng.normal(size=(4, 7, 7, 3)).astype("float32")
     else:
         plain = keras.Sequential([keras.Input((7, 7, 3)),
                                   keras.layers.Conv2D(6, 3, strides=2, padding="same",
                                                       activation="tanh"),
                                   keras.layers.Flatten(), keras.layers.Dense(3)])
         x = rng.normal(size=(4, 7, 7, 3)).astype("float32")
-    model = reparametrize(plain, rank=2, sparsity=sparsity,
-                          layers=[plain.layers[0].name])
+    chosen = [plain.layers[0].name] + ([plain.layers[2].name] if kind == "conv_then_dense" else [])
+    model = reparametrize(plain, rank=2, sparsity=sparsity, layers=chosen)
     plan = reparam.gradient_plan(model)
     y = rng.integers(0, 3, size=4)
     loss_fn = build_per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -1,6 +1,8 @@
 """Ghost-norm formulas for the RGP / LSG reparametrized layers (tf_dp.layers).
 
-A reparametrized Dense computes h = x L_eff, z = h R_eff + x sg(W - L R) + b, so its
+A reparametrized Dense computes h = x L_eff, z = h R_eff + x sg(W - L R) + b (as
+z = x sg(W) + (h R_eff - sg(h R_eff)) + b with h = sg(x) L_eff: same value and gradients,
+no m x n residual; the rules below reproduce the layer's call exactly), so its
 carriers are two stacked linear maps: the per-example gradient of L is sum_t x_t (outer)
 dh_t and that of R is sum_t h_t (outer) dz_t (Yu et al. 2021, Theorem 2.1), both outer
 products the ghost machinery handles, with LSG's frozen rows/columns zeroed in the factors
@@ -42,10 +44,9 @@ def _reparam_dense(layer, rec, inputs, training=None):
         return NotImplemented
     x, left, right = _inputs_and_carriers(layer, rec, inputs)
     dtype = x.dtype
-    h = tf.tensordot(x, left, axes=[[x.shape.rank - 1], [0]])
-    z = tf.tensordot(h, right, axes=[[h.shape.rank - 1], [0]])
-    z = z + tf.tensordot(x, tf.cast(layer._residual_kernel(left, right), dtype),
-                         axes=[[x.shape.rank - 1], [0]])
+    h = tf.tensordot(tf.stop_gradient(x), left, axes=[[x.shape.rank - 1], [0]])
+    z = tf.tensordot(x, tf.cast(layer._frozen_kernel(), dtype), axes=[[x.shape.rank - 1], [0]])
+    z = z + layer._carrier_term(tf.tensordot(h, right, axes=[[h.shape.rank - 1], [0]]))
     if layer.bias is not None:
         z = z + tf.cast(layer.bias, dtype)
     m_in, m_out = _masks(layer)
@@ -66,10 +67,10 @@ def _reparam_conv2d(layer, rec, inputs):
         return NotImplemented
     x, left, right = _inputs_and_carriers(layer, rec, inputs)
     dtype = x.dtype
-    hidden = layer._convolve(x, left)
-    z = tf.nn.conv2d(hidden, right, strides=1, padding="VALID",
-                     data_format="NHWC" if layer.data_format == "channels_last" else "NCHW")
-    z = z + layer._convolve(x, tf.cast(layer._residual_kernel(left, right), dtype))
+    hidden = layer._convolve(tf.stop_gradient(x), left)
+    low_rank = tf.nn.conv2d(hidden, right, strides=1, padding="VALID",
+                            data_format="NHWC" if layer.data_format == "channels_last" else "NCHW")
+    z = layer._convolve(x, tf.cast(layer._frozen_kernel(), dtype)) + layer._carrier_term(low_rank)
     channels_last = layer.data_format == "channels_last"
     if layer.use_bias:
         shape = (1, 1, 1, layer.filters) if channels_last else (1, layer.filters, 1, 1)

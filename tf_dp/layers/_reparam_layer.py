@@ -216,11 +216,21 @@ class ReparamLayer(keras.layers.Layer):
             right = right * right_mask + ops.stop_gradient(right * (1.0 - right_mask))
         return left, right
 
-    def _residual_kernel(self, left, right):
-        """``stop_gradient(W − L·R)`` in the kernel layout: W gets no autodiff gradient."""
-        kernel = tf.convert_to_tensor(self.kernel)
-        low_rank = tf.matmul(self._left_as_matrix(left), self._right_as_matrix(right))
-        return ops.stop_gradient(kernel - tf.cast(self._matrix_as_kernel(low_rank), kernel.dtype))
+    def _frozen_kernel(self):
+        """``stop_gradient(W)`` in the kernel layout: W gets no autodiff gradient."""
+        return ops.stop_gradient(tf.convert_to_tensor(self.kernel))
+
+    @staticmethod
+    def _carrier_term(low_rank_output):
+        """``y − stop_gradient(y)``: exactly zero, with ``y``'s gradient.
+
+        The forward pass is ``x·sg(W) + carrier_term((sg(x)·L_eff)·R_eff)``: the value is the
+        plain layer's ``x·W``, the carriers get the gradients of ``(x·L)·R`` (RGP Theorem 2.1)
+        and ``x`` gets ``∂z·Wᵀ`` through the first term only (hence ``sg(x)`` in the carrier
+        path). Same value and gradients as ``(x·L)·R + x·sg(W − L·R)`` without building the
+        m×n residual ``W − L·R`` every call.
+        """
+        return low_rank_output - ops.stop_gradient(low_rank_output)
 
     # ------------------------------------------------------------------ pipeline protocol
     def _require_built(self, method):

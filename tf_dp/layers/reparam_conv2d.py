@@ -28,6 +28,8 @@ class ReparamConv2D(ReparamLayer):
     as in RGP §2.1 by two convolutions and a residual (``*`` is convolution)::
 
         y = (x * L_eff) * R_eff + x * stop_gradient(W − L·R) + b
+          = x * sg(W) + (h * R_eff − sg(h * R_eff)) + b,   h = sg(x) * L_eff  (as computed:
+            same value and gradients without the residual kernel W − L·R)
         L: [kh, kw, c_in, r]  conv with the layer's kernel size, strides, padding, dilation
         R: [1, 1, r, c_out]   1×1 conv
         ∂W ≈ ∂L·R + L·∂R − L·Lᵀ·∂L·R           (on the matrix view, RGP Corollary 2.1.1)
@@ -178,9 +180,10 @@ class ReparamConv2D(ReparamLayer):
 
     def call(self, inputs):
         left, right = self._forward_carriers()
-        hidden = self._convolve(inputs, left)
-        outputs = ops.conv(hidden, right, strides=1, padding="valid", data_format=self.data_format)
-        outputs = ops.add(outputs, self._convolve(inputs, self._residual_kernel(left, right)))
+        hidden = self._convolve(ops.stop_gradient(inputs), left)
+        low_rank = ops.conv(hidden, right, strides=1, padding="valid", data_format=self.data_format)
+        outputs = self._convolve(inputs, self._frozen_kernel())
+        outputs = ops.add(outputs, self._carrier_term(low_rank))
         if self.use_bias:
             if self.data_format == "channels_last":
                 bias_shape = (1, 1, 1, self.filters)

@@ -17,6 +17,8 @@ class ReparamDense(ReparamLayer):
 
         W = L·R + stop_gradient(W − L·R)        L ∈ R^{m×r}, R ∈ R^{r×n} orthonormal
         y = (x·L_eff)·R_eff + x·stop_gradient(W − L·R) + b
+          = x·sg(W) + (h·R_eff − sg(h·R_eff)) + b,   h = sg(x)·L_eff  (as computed: same
+            value and gradients, no m×n residual; x's gradient flows through x·sg(W))
         ∂L = ∂W·Rᵀ,  ∂R = Lᵀ·∂W                (RGP Theorem 2.1)
         ∂W ≈ ∂L·R + L·∂R − L·Lᵀ·∂L·R           (RGP Corollary 2.1.1)
 
@@ -135,8 +137,9 @@ class ReparamDense(ReparamLayer):
 
     def call(self, inputs, training=None):
         left, right = self._forward_carriers()
-        x = ops.matmul(ops.matmul(inputs, left), right)
-        x = ops.add(x, ops.matmul(inputs, self._residual_kernel(left, right)))
+        hidden = ops.matmul(ops.stop_gradient(inputs), left)
+        x = ops.matmul(inputs, self._frozen_kernel())
+        x = ops.add(x, self._carrier_term(ops.matmul(hidden, right)))
         if self.bias is not None:
             x = ops.add(x, self.bias)
         if self.activation is not None:

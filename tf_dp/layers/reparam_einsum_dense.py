@@ -52,6 +52,8 @@ class ReparamEinsumDense(ReparamLayer):
     model dim, ``d`` = heads, ``e`` = head dim) gives ``m = c``, ``n = d·e``. Then::
 
         y = einsum((x ⊗ L_eff) ⊗ R_eff) + einsum(equation, x, stop_gradient(W − L·R)) + b
+          (computed as einsum(equation, x, sg(W)) + (u − sg(u)), u = einsum((sg(x) ⊗ L_eff)
+          ⊗ R_eff): same value and gradients without the m×n residual W − L·R)
         L: [*input_axes, r]    R: [r, *output_axes]
         ∂W ≈ ∂L·R + L·∂R − L·Lᵀ·∂L·R           (on the matrix view, RGP Corollary 2.1.1)
 
@@ -195,8 +197,9 @@ class ReparamEinsumDense(ReparamLayer):
         # tf.vectorized_map, which the per-example-gradient fallback relies on.
         inputs = tf.convert_to_tensor(inputs)
         left, right = self._forward_carriers()
-        x = tf.einsum(self._right_equation, tf.einsum(self._left_equation, inputs, left), right)
-        x = ops.add(x, tf.einsum(self.equation, inputs, self._residual_kernel(left, right)))
+        hidden = tf.einsum(self._left_equation, tf.stop_gradient(inputs), left)
+        x = tf.einsum(self.equation, inputs, self._frozen_kernel())
+        x = ops.add(x, self._carrier_term(tf.einsum(self._right_equation, hidden, right)))
         if self.bias is not None:
             x = ops.add(x, self.bias)
         if self.activation is not None:
