@@ -4,8 +4,12 @@ Models: the TF Privacy tutorial CNN on 28x28x1 inputs (26,010 parameters) and a 
 model (Embedding(8000, 64) -> Bidirectional(LSTM(64)) -> Dense(64) -> Dense(1), sequence 150).
 For each, the median over timed steps of a compiled train step (tf.function, after warm-up)
 for: non-private Adam, DPAdam with norm_strategy="auto" (ghost where a layer formula exists),
-DPAdam with norm_strategy="vmap" (vectorized per-example gradients forced). Ratios are to the
-non-private step measured in the same process.
+DPAdam with norm_strategy="vmap" (vectorized per-example gradients forced) and DPAdamJL with
+r = 1, 3, 5 projections. Ratios are to the non-private step measured in the same process.
+
+All configurations of a model are built and traced first, then timed round-robin (one step of
+each in turn, ``--steps`` rounds), so that the load of a shared machine drifts over all of
+them alike. Steps are traced with an unknown batch dimension, as Poisson-sampled batches are.
 
   python bench/step_time.py [--batch_size=256] [--steps=20] [--models=cnn,bilstm]
 """
@@ -26,7 +30,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_integer("steps", 20, "Timed steps per configuration (after 3 warm-up steps).")
 flags.DEFINE_list("models", ["cnn", "bilstm"], "Models to benchmark.")
-flags.DEFINE_list("configs", ["nonprivate", "dp_auto", "dp_vmap"], "Configurations.")
+flags.DEFINE_list("configs", ["nonprivate", "dp_auto", "dp_vmap", "jl1", "jl3", "jl5"],
+                  "Configurations: nonprivate, dp_auto, dp_vmap, jl<r>.")
 
 
 def cnn():
@@ -59,43 +64,50 @@ def data(name, n, rng):
         "float32")
 
 
-def step_times(name, config, batch, steps):
+def compiled_step(name, config, batch):
+    """A traced ``(x, y) -> logs`` train step for one configuration, and its batch."""
     keras.utils.set_random_seed(0)
     model, loss = {"cnn": cnn, "bilstm": bilstm}[name]()
+    dp = dict(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3, seed=0)
     if config == "nonprivate":
         opt = keras.optimizers.Adam(1e-3)
+    elif config.startswith("jl"):
+        model = tf_dp.keras.make_private(model)
+        opt = tf_dp.DPAdamJL(num_projections=int(config[2:]), **dp)
     else:
         model = tf_dp.keras.make_private(model)
-        opt = tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3, seed=0,
-                           norm_strategy="vmap" if config == "dp_vmap" else "auto")
+        opt = tf_dp.DPAdam(norm_strategy="vmap" if config == "dp_vmap" else "auto", **dp)
     model.compile(optimizer=opt, loss=loss, jit_compile=False)
     x, y = data(name, batch, np.random.default_rng(0))
     x, y = tf.constant(x), tf.constant(y)
-    step = tf.function(lambda a, b: model.train_step((a, b)))
+    spec = [tf.TensorSpec([None, *x.shape[1:]], x.dtype),
+            tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
+    step = tf.function(lambda a, b: model.train_step((a, b)), input_signature=spec)
     for _ in range(3):
         step(x, y)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        out = step(x, y)
-        float(out["loss"]) if "loss" in out else None
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return step, x, y
 
 
 def main(argv):
     del argv
-    print(f"batch {FLAGS.batch_size}, median of {FLAGS.steps} steps, TF {tf.__version__}, "
-          f"Keras {keras.__version__}, {os.cpu_count()} CPU cores")
+    print(f"batch {FLAGS.batch_size}, median of {FLAGS.steps} round-robin steps, TF "
+          f"{tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores, load "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"{'model':8s} {'configuration':14s} {'step (ms)':>10s} {'x non-private':>14s}")
     for name in FLAGS.models:
-        base = None
+        steps = {c: compiled_step(name, c, FLAGS.batch_size) for c in FLAGS.configs}
+        times = {c: [] for c in FLAGS.configs}
+        for _ in range(FLAGS.steps):
+            for config, (step, x, y) in steps.items():
+                t = time.perf_counter()
+                float(step(x, y)["loss"])
+                times[config].append(time.perf_counter() - t)
+        med = {c: float(np.median(v)) for c, v in times.items()}
+        base = med.get("nonprivate")
         for config in FLAGS.configs:
-            t = step_times(name, config, FLAGS.batch_size, FLAGS.steps)
-            if config == "nonprivate":
-                base = t
-            ratio = f"{t / base:14.2f}" if base else f"{'-':>14s}"
-            print(f"{name:8s} {config:14s} {t * 1e3:10.1f} {ratio}", flush=True)
+            ratio = f"{med[config] / base:14.2f}" if base else f"{'-':>14s}"
+            print(f"{name:8s} {config:14s} {med[config] * 1e3:10.1f} {ratio}", flush=True)
+    print(f"(load average at the end: {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

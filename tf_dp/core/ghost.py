@@ -555,20 +555,23 @@ def _embedding_sq_norms(ids, g):
     return tf.reduce_sum(same * gg, axis=[1, 2])
 
 
-#: per-example gradients of at most this many entries per example are materialised for JL
-#: projections even when the projected factors would be smaller (fewer flops: B*T*d*p +
-#: r*B*d*p instead of r*B*T*d*p).
+#: per-example gradients of at most this many entries per example may be materialised for
+#: JL projections even when the projected factors would take less memory.
 _MATERIALISE_MAX_ENTRIES = 1 << 16
 
 
 def _materialise_for_projection(a, g, num_projections):
     """JL projections of an outer-product term: materialise the per-example gradient
-    (B, d, p) when it is small, or no larger than the r projected factors (r, B, T,
-    min(d, p)); otherwise project the factors (memory stays that of the activations)."""
+    (B, d, p) only when that takes fewer flops (B*T*d*p + r*B*d*p against r*B*T*d*p for
+    projecting the factors, i.e. (r - 1)(T - 1) > 1) and its memory is small, or no larger
+    than one projected factor (B, T, min(d, p)) per direction."""
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
     if t is None or d is None or p is None:
         return False
-    return d * p <= max(_MATERIALISE_MAX_ENTRIES, num_projections * t * min(d, p))
+    r = num_projections
+    if (r - 1) * (t - 1) <= 1:
+        return False
+    return d * p <= max(_MATERIALISE_MAX_ENTRIES, r * t * min(d, p))
 
 
 class _VarNorm:
@@ -626,17 +629,19 @@ class _VarNorm:
             v = tf.reshape(tf.cast(directions, self.per.dtype), [r, -1])
             return tf.matmul(v, tf.reshape(self.per, [tf.shape(self.per)[0], -1]),
                              transpose_b=True)
+        # One direction at a time: the peak is one projected factor, not r of them.
         if self.kind == "outer":
             d, p = self.a.shape[-1], self.g.shape[-1]
             v = tf.reshape(tf.cast(directions, self.a.dtype), [r, d, p])
             if p <= d:
-                av = tf.einsum("btd,rdp->rbtp", self.a, v)
-                return tf.einsum("rbtp,btp->rb", av, self.g)
-            gv = tf.einsum("btp,rdp->rbtd", self.g, v)
-            return tf.einsum("rbtd,btd->rb", gv, self.a)
+                return tf.stack([tf.einsum("btp,btp->b", tf.einsum("btd,dp->btp", self.a, v[j]),
+                                           self.g) for j in range(r)])
+            return tf.stack([tf.einsum("btd,btd->b", tf.einsum("btp,dp->btd", self.g, v[j]),
+                                       self.a) for j in range(r)])
         if self.kind == "embedding":
-            rows = tf.gather(tf.cast(directions, self.g.dtype), self.ids, axis=1)  # (r,B,T,D)
-            return tf.einsum("rbtd,btd->rb", rows, self.g)
+            v = tf.cast(directions, self.g.dtype)
+            return tf.stack([tf.einsum("btd,btd->b", tf.gather(v[j], self.ids), self.g)
+                             for j in range(r)])
         raise AssertionError(self.kind)
 
     def weighted_sum(self, w):
