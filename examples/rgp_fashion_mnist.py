@@ -30,7 +30,6 @@ Results of the three methods at epsilon ~ 3 are in docs/rgp_results.md.
 """
 
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -39,6 +38,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _report import fit_and_report  # noqa: E402  (examples/_report.py)
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from tf_dp.layers import reparam_layers, reparametrize  # noqa: E402
 
@@ -213,30 +213,6 @@ def _carriers_save(m, n):
 # ----------------------------------------------------------------------------- training
 
 
-class _Report(keras.callbacks.Callback):
-    """Prints test accuracy, epsilon and seconds after every epoch."""
-
-    def __init__(self, x_test, y_test, private):
-        super().__init__()
-        self.x_test, self.y_test, self.private = x_test, y_test, private
-        self.start = self.epoch_start = None
-
-    def on_train_begin(self, logs=None):
-        self.start = time.time()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch_start = time.time()
-
-    def on_epoch_end(self, epoch, logs=None):
-        seconds = time.time() - self.epoch_start
-        _, acc = self.model.evaluate(self.x_test, self.y_test, batch_size=1024, verbose=0)
-        logs = logs or {}
-        eps = f"{logs['epsilon']:.3f}" if self.private else "inf (non-private)"
-        print(f"epoch {epoch + 1:3d}  train loss {logs.get('loss', float('nan')):.4f}  "
-              f"test accuracy {acc:.4f}  epsilon {eps} (delta={FLAGS.delta:g})  "
-              f"{seconds:.0f} s", flush=True)
-
-
 def main(argv):
     del argv
     keras.utils.set_random_seed(FLAGS.seed)
@@ -282,15 +258,8 @@ def main(argv):
     print(f"batch {FLAGS.batch_size}  epochs {FLAGS.epochs}  lr {FLAGS.learning_rate}  "
           f"momentum {FLAGS.momentum}  seed {FLAGS.seed}", flush=True)
 
-    start = time.time()
-    model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[_Report(x_test, y_test, private)])
-    _, acc = model.evaluate(x_test, y_test, batch_size=1024, verbose=0)
-    line = f"final test accuracy {acc:.4f}  {time.time() - start:.0f} s"
-    if private:
-        line += f"  epsilon {model.epsilon():.3f} at delta {FLAGS.delta:g}"
-    print(line)
-
+    fit_and_report(model, (x_train, y_train), (x_test, y_test), FLAGS.batch_size, FLAGS.epochs,
+                   private, FLAGS.delta)
 
 if __name__ == "__main__":
     app.run(main)

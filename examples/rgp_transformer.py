@@ -28,7 +28,6 @@ equations) with the projections as top-level layers, which `reparametrize` does 
 
 import math
 import os
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -38,6 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _report import fit_and_report  # noqa: E402  (examples/_report.py)
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from tf_dp.layers import reparam_layers, reparametrize  # noqa: E402
 
@@ -181,25 +181,6 @@ def reparametrized(model: keras.Model) -> keras.Model:
 # ----------------------------------------------------------------------------- training
 
 
-class _Report(keras.callbacks.Callback):
-    def __init__(self, x_test, y_test, private):
-        super().__init__()
-        self.x_test, self.y_test, self.private = x_test, y_test, private
-        self.epoch_start = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch_start = time.time()
-
-    def on_epoch_end(self, epoch, logs=None):
-        seconds = time.time() - self.epoch_start
-        _, acc = self.model.evaluate(self.x_test, self.y_test, batch_size=1024, verbose=0)
-        logs = logs or {}
-        eps = f"{logs['epsilon']:.3f}" if self.private else "inf (non-private)"
-        print(f"epoch {epoch + 1:3d}  train loss {logs.get('loss', float('nan')):.4f}  "
-              f"test accuracy {acc:.4f}  epsilon {eps} (delta={FLAGS.delta:g})  "
-              f"{seconds:.0f} s", flush=True)
-
-
 def main(argv):
     del argv
     keras.utils.set_random_seed(FLAGS.seed)
@@ -252,15 +233,8 @@ def main(argv):
     print(f"batch {FLAGS.batch_size}  epochs {FLAGS.epochs}  lr {FLAGS.learning_rate}  "
           f"seed {FLAGS.seed}", flush=True)
 
-    start = time.time()
-    model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=0,
-              callbacks=[_Report(x_test, y_test, private)])
-    _, acc = model.evaluate(x_test, y_test, batch_size=1024, verbose=0)
-    line = f"final test accuracy {acc:.4f}  {time.time() - start:.0f} s"
-    if private:
-        line += f"  epsilon {model.epsilon():.3f} at delta {FLAGS.delta:g}"
-    print(line)
-
+    fit_and_report(model, (x_train, y_train), (x_test, y_test), FLAGS.batch_size, FLAGS.epochs,
+                   private, FLAGS.delta)
 
 if __name__ == "__main__":
     app.run(main)
