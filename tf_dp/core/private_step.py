@@ -88,27 +88,17 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
         return _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                  variables)
 
-    batch = batch_size_of(x)
-    layers = ghost.capturable_layers(model)
-    with tf.GradientTape(persistent=False, watch_accessed_variables=True) as tape:
-        # Privatized variables may be non-trainable (RGP carriers): watch them explicitly.
-        tape.watch([v.value if hasattr(v, "value") else v for v in variables])
-        with ghost.capture(layers, batch) as rec:
-            y_pred = model(x, training=True)
-        losses = per_example_loss(y, y_pred, sample_weight)
-        total = tf.reduce_sum(losses)
-    norm_objs, _ = ghost.ghost_norms(rec, tape, total)
-    covered = {id(v) for v in (o.variable for o in norm_objs.values())}
-    fallback = [v for v in variables if id(v) not in covered]
+    by_id, losses, y_pred = _ghost_pass(model, x, y, sample_weight, per_example_loss,
+                                        variables)
+    fallback = [v for v in variables if id(v) not in by_id]
     if fallback and norm_strategy == "ghost":
         names = sorted({v.path.rsplit("/", 1)[0] for v in fallback})
         raise ValueError(
             f"norm_strategy='ghost' but these layers have no ghost-norm formula: {names}. "
             "Use norm_strategy='auto' (vectorized fallback for them).")
     sq = tf.zeros_like(losses)
-    for key, obj in norm_objs.items():
-        if id(obj.variable) in {id(v) for v in variables}:
-            sq = sq + tf.cast(obj.sq, sq.dtype)
+    for obj in by_id.values():
+        sq = sq + tf.cast(obj.sq, sq.dtype)
     fb_grads = []
     if fallback:
         fb_grads, _, _ = vmap.per_example_gradients(model, per_example_loss, x, y,
@@ -118,7 +108,6 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                             axis=1), sq.dtype)
     norms = tf.sqrt(sq)
     w = clip_factors(norms, l2_norm_clip)
-    by_id = {id(o.variable): o for o in norm_objs.values()}
     fb_by_id = {id(v): g for v, g in zip(fallback, fb_grads)}
     grads = []
     for v in variables:
@@ -128,6 +117,29 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
             g = fb_by_id[id(v)]
             grads.append(tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype))
     return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+
+
+def _handles(variables):
+    return [v.value if hasattr(v, "value") else v for v in variables]
+
+
+def _ghost_pass(model, x, y, sample_weight, per_example_loss, variables, **norm_options):
+    """One captured forward pass and one backward pass to the recorded layer outputs.
+
+    Returns ({id(variable): its factors} for the ``variables`` a ghost rule covers, the
+    per-example losses, the outputs). ``norm_options`` go to ``ghost.ghost_norms``.
+    """
+    with tf.GradientTape() as tape:
+        # Privatized variables may be non-trainable (RGP carriers): watch them explicitly.
+        tape.watch(_handles(variables))
+        with ghost.capture(ghost.capturable_layers(model), batch_size_of(x)) as rec:
+            y_pred = model(x, training=True)
+        losses = per_example_loss(y, y_pred, sample_weight)
+        total = tf.reduce_sum(losses)
+    norm_objs, _ = ghost.ghost_norms(rec, tape, total, **norm_options)
+    wanted = {id(v) for v in variables}
+    by_id = {id(o.variable): o for o in norm_objs.values() if id(o.variable) in wanted}
+    return by_id, losses, y_pred
 
 
 def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables):
@@ -154,18 +166,10 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
     jl.validate_num_projections(num_projections)
     if seed is None:
         raise ValueError("norm_strategy='jl' needs a `seed` for its projections.")
-    batch = batch_size_of(x)
     replay = jl.save_random_state(model)
-    with tf.GradientTape() as tape:
-        tape.watch([v.value if hasattr(v, "value") else v for v in variables])
-        with ghost.capture(ghost.capturable_layers(model), batch) as rec:
-            y_pred = model(x, training=True)
-        losses = per_example_loss(y, y_pred, sample_weight)
-        total = tf.reduce_sum(losses)
-    norm_objs, _ = ghost.ghost_norms(rec, tape, total, exact_norms=False,
-                                     num_projections=num_projections)
-    wanted = {id(v) for v in variables}
-    by_id = {id(o.variable): o for o in norm_objs.values() if id(o.variable) in wanted}
+    by_id, losses, y_pred = _ghost_pass(model, x, y, sample_weight, per_example_loss,
+                                        variables, exact_norms=False,
+                                        num_projections=num_projections)
     dirs = jl.directions(variables, num_projections, seed)
     projections = tf.zeros([num_projections, tf.shape(losses)[0]], losses.dtype)
     for k, v in enumerate(variables):
@@ -178,7 +182,7 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
         fb_vars = [variables[k] for k in fallback]
         fb_tape = tf.GradientTape(watch_accessed_variables=False)
         with fb_tape:
-            fb_tape.watch([v.value if hasattr(v, "value") else v for v in fb_vars])
+            fb_tape.watch(_handles(fb_vars))
         fb_losses, _, fb_proj = jl.forward_projections(
             model, per_example_loss, x, y, sample_weight, fb_vars,
             [[dirs[j][k] for k in fallback] for j in range(num_projections)], fb_tape, replay)
@@ -190,8 +194,7 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
         with fb_tape:
             # One backward pass of sum_i l_i / max(1, M_i / C) gives their clipped sum.
             weighted = tf.reduce_sum(tf.cast(w, fb_losses.dtype) * fb_losses)
-        got = fb_tape.gradient(weighted, [v.value if hasattr(v, "value") else v
-                                          for v in fb_vars],
+        got = fb_tape.gradient(weighted, _handles(fb_vars),
                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
         fb_grads = {id(v): g for v, g in zip(fb_vars, got)}
     grads = []
