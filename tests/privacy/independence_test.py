@@ -1,0 +1,375 @@
+"""Models that mix the examples of a batch are refused; adapted preprocessing is reported."""
+
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_dp.core import build_per_example_loss, clipped_sum, reparam  # noqa: E402
+from tf_dp.core.independence import (  # noqa: E402
+    adapted_layers_warning,
+    adapted_preprocessing_layers,
+    check_per_example_independence,
+    warn_adapted_layers,
+)
+from tf_dp.layers import reparametrize  # noqa: E402
+
+L = keras.layers
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(12, 6)).astype("float32")
+Y = RNG.integers(0, 3, size=12)
+XENT = build_per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+# ------------------------------------------------------------------ layers that mix examples
+
+
+class BatchMean(L.Layer):
+    """``x - mean over the batch``: the centring a hand-written batch norm does."""
+
+    def call(self, x):
+        return x - tf.reduce_mean(x, axis=0)
+
+
+class PerBatchSize(L.Layer):
+    """Divides by the batch size: no row sees another, yet removing one rescales all."""
+
+    def call(self, x):
+        return x * (8.0 / tf.cast(tf.shape(x)[0], x.dtype))
+
+
+class RollBatch(L.Layer):
+    def call(self, x):
+        return x + tf.roll(x, shift=1, axis=0)
+
+
+class GradientOnlyMix(L.Layer):
+    """Forward is the identity; the backward pass subtracts the batch mean."""
+
+    def call(self, x):
+        m = tf.reduce_mean(x, axis=0)
+        return x - m + tf.stop_gradient(m)
+
+
+class MixingDense(L.Layer):
+    """A trainable layer that adds the batch mean of its own projection."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 5), initializer="glorot_uniform")
+
+    def call(self, x):
+        z = tf.matmul(x, self.kernel)
+        return z + 0.5 * tf.reduce_mean(z, axis=0, keepdims=True)
+
+
+class Block(L.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = L.Dense(5, activation="tanh", name="inner_dense")
+        self.mix = MixingDense(name="deep_mixer")
+
+    def call(self, x):
+        return self.mix(self.inner(x))
+
+
+class Deep(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.stem = L.Dense(6, activation="relu", name="stem")
+        self.block = Block(name="block")
+        self.head = L.Dense(3, name="head")
+
+    def call(self, x, training=None):
+        return self.head(self.block(self.stem(x)))
+
+
+class MixesInItsOwnCall(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = L.Dense(5, activation="tanh", name="a")
+        self.b = L.Dense(3, name="b")
+
+    def call(self, x):
+        h = self.a(x)
+        return self.b(h - tf.reduce_mean(h, axis=0))
+
+
+class TransposedNoise(L.Layer):
+    """Per-example noise drawn as (features, batch): its first rows differ between batch sizes,
+    so only the fallback without random layers tells it from a batch-size dependence."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gen = keras.random.SeedGenerator(3)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        noise = keras.random.normal((x.shape[-1], tf.shape(x)[0]), seed=self.gen)
+        return x + 0.3 * tf.transpose(noise)
+
+
+class StatefulNoise(L.Layer):
+    """Noise from TensorFlow's global stateful generator: cannot be replayed."""
+
+    def call(self, x, training=None):
+        return x + tf.random.normal(tf.shape(x)) if training else x
+
+
+def _seq(*layers, inp=(6,), dtype="float32"):
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input(inp, dtype=dtype), *layers])
+
+
+def _mlp(middle):
+    return _seq(L.Dense(8, activation="tanh"), *middle, L.Dense(3))
+
+
+@pytest.mark.parametrize("layer, cause, found_by", [
+    (lambda: BatchMean(name="batch_mean"), "'batch_mean' \\(BatchMean\\)", "were replaced"),
+    (lambda: RollBatch(name="roll"), "'roll' \\(RollBatch\\)", "were replaced"),
+    (lambda: PerBatchSize(name="per_batch"), "'per_batch' \\(PerBatchSize\\)",
+     "batch shrank from 8 to 4"),
+])
+def test_mixing_layers_are_refused_and_named(layer, cause, found_by):
+    model = _mlp([layer()])
+    with pytest.raises(ValueError, match=f"{cause} mixes the examples.*{found_by}.*not bounded "
+                                         "by the clipping norm.*GroupNormalization"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_mixing_next_to_dropout_is_still_found():
+    model = _mlp([L.Dropout(0.3), BatchMean(name="batch_mean"), L.GaussianNoise(0.2)])
+    with pytest.raises(ValueError, match="'batch_mean'"):
+        check_per_example_independence(model, X, Y, None, XENT)
+    model = _mlp([L.Dropout(0.3), PerBatchSize(name="per_batch")])
+    with pytest.raises(ValueError, match="'per_batch'.*batch shrank"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_trainable_mixing_layer_deep_in_a_subclassed_model():
+    model = Deep()  # unbuilt: the check builds it
+    with pytest.raises(ValueError, match="'deep_mixer' \\(MixingDense\\)"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_mixing_in_a_models_own_call():
+    with pytest.raises(ValueError, match="call of MixesInItsOwnCall .* itself \\(outside its "
+                                         "sublayers\\)"):
+        check_per_example_independence(MixesInItsOwnCall(), X, Y, None, XENT)
+
+
+def test_gradient_only_mixing():
+    model = _mlp([GradientOnlyMix()])
+    with pytest.raises(ValueError, match="gradient of the per-example loss"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_mixing_loss():
+    def centred(y_true, y_pred, sample_weight=None):
+        losses = XENT(y_true, y_pred, sample_weight)
+        return losses - tf.reduce_mean(losses) + 1.0
+
+    with pytest.raises(ValueError, match="The loss function mixes"):
+        check_per_example_independence(_mlp([]), X, Y, None, centred)
+
+
+def test_batch_norm_keeps_its_specific_message():
+    model = _mlp([L.BatchNormalization(name="bn")])
+    with pytest.raises(ValueError, match="'bn' is a BatchNormalization layer: its batch "
+                                         "statistics mix examples"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_frozen_batch_norm_runs_in_inference_mode_and_passes():
+    model = _mlp([L.BatchNormalization(name="bn")])
+    model.get_layer("bn").trainable = False
+    check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_padding_rows_are_skipped_and_state_is_restored():
+    model = _mlp([L.Dropout(0.5)])
+    before = [v.numpy().copy() for v in model.variables]
+    weights = np.ones(12, "float32")
+    weights[:3] = 0.0
+    check_per_example_independence(model, X, Y, weights, XENT)
+    for a, v in zip(before, model.variables):
+        np.testing.assert_array_equal(a, v.numpy(), err_msg=v.path)
+
+
+def test_too_few_rows_check_nothing_and_bad_arguments_raise():
+    check_per_example_independence(_mlp([BatchMean()]), X[:1], Y[:1], None, XENT)
+    with pytest.raises(ValueError, match="`num_rows` must be an integer >= 2, got 1"):
+        check_per_example_independence(_mlp([]), X, Y, None, XENT, num_rows=1)
+    with pytest.raises(ValueError, match="`rtol` must be > 0, got 0"):
+        check_per_example_independence(_mlp([]), X, Y, None, XENT, rtol=0)
+
+
+def test_unreplayable_randomness_warns_instead_of_refusing():
+    with pytest.warns(UserWarning, match="could not check.*cannot be replayed"):
+        check_per_example_independence(_mlp([StatefulNoise()]), X, Y, None, XENT)
+
+
+# ------------------------------------------------------------------ no false positives
+
+SEQ = RNG.normal(size=(12, 7, 4)).astype("float32")
+TOKENS = RNG.integers(0, 20, size=(12, 7))
+TOKENS[:, 5:] = 0  # padding, masked by the embedding
+IMAGES = RNG.normal(size=(12, 6, 6, 4)).astype("float32")
+
+PER_EXAMPLE = {
+    "dropout_family": (lambda: _mlp([L.Dropout(0.5), L.GaussianNoise(0.5), L.GaussianDropout(0.3),
+                                     L.AlphaDropout(0.2), L.ActivityRegularization(0.0)]), X),
+    "layer_norm": (lambda: _mlp([L.LayerNormalization(), L.UnitNormalization()]), X),
+    "spatial_dropout_group_norm": (lambda: _seq(
+        L.Conv2D(4, 3, padding="same"), L.GroupNormalization(2), L.SpatialDropout2D(0.5),
+        L.Flatten(), L.Dense(3), inp=(6, 6, 4)), IMAGES),
+    "rnn_dropout": (lambda: _seq(
+        L.LSTM(5, dropout=0.3, recurrent_dropout=0.3, return_sequences=True),
+        L.SpatialDropout1D(0.3), L.GRU(4, dropout=0.3, recurrent_dropout=0.2), L.Dense(3),
+        inp=(7, 4)), SEQ),
+    "masked_bidirectional": (lambda: _seq(
+        L.Embedding(20, 6, mask_zero=True),
+        L.Bidirectional(L.LSTM(4, dropout=0.3, return_sequences=True)),
+        L.Bidirectional(L.GRU(3)), L.Dense(3), inp=(7,), dtype="int32"), TOKENS),
+    "transposed_noise": (lambda: _mlp([TransposedNoise()]), X),
+    "reparametrized": (lambda: reparametrize(_mlp([L.Dropout(0.2), L.Dense(8)]), rank=2), X),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_EXAMPLE))
+def test_per_example_models_pass(name):
+    build, x = PER_EXAMPLE[name]
+    model = build()
+    variables = reparam.gradient_plan(model).privatized
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a refusal nor an "unchecked" warning
+        check_per_example_independence(model, x, Y, None, XENT, variables=variables)
+
+
+def test_attention_mixes_positions_not_examples():
+    tokens = keras.Input((7,), dtype="int32")
+    h = L.Embedding(20, 8, mask_zero=True)(tokens)
+    h = L.LayerNormalization()(h + L.MultiHeadAttention(2, 4, dropout=0.3)(h, h))
+    out = L.Dense(3)(L.GlobalAveragePooling1D()(h))
+    keras.utils.set_random_seed(2)
+    model = keras.Model(tokens, out)
+    check_per_example_independence(model, TOKENS, Y, None, XENT)
+    # ... and attention over the batch axis is refused.
+    seq = keras.Input((6,))
+    h = L.Dense(8)(seq)
+    h = L.Lambda(lambda t: tf.squeeze(L.Attention()([t[None], t[None]]), 0), name="batch_attn")(h)
+    model = keras.Model(seq, L.Dense(3)(h))
+    with pytest.raises(ValueError, match="'batch_attn'"):
+        check_per_example_independence(model, X, Y, None, XENT)
+
+
+def test_multi_input_multi_output_dict_model():
+    keras.utils.set_random_seed(3)
+    image = keras.Input((6, 6, 4), name="image")
+    meta = keras.Input((6,), name="meta")
+    h = L.Flatten()(L.Conv2D(2, 3)(image))
+    h = L.Concatenate()([h, L.Dense(4)(meta)])
+    h = L.Dropout(0.3)(h)
+    model = keras.Model({"image": image, "meta": meta},
+                        {"cls": L.Dense(3, name="cls")(h), "reg": L.Dense(2, name="reg")(h)})
+    loss = build_per_example_loss(
+        {"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"},
+        {"cls": 1.0, "reg": 0.5}, ["cls", "reg"])
+    x = {"image": IMAGES, "meta": X}
+    y = {"cls": Y, "reg": RNG.normal(size=(12, 2)).astype("float32")}
+    check_per_example_independence(model, x, y, np.ones(12, "float32"), loss)
+
+    # The same model with one mixing branch is refused.
+    mixed = keras.Model(model.inputs, {"cls": model.outputs[0],
+                                       "reg": BatchMean(name="reg_mix")(model.outputs[1])})
+    with pytest.raises(ValueError, match="'reg_mix'"):
+        check_per_example_independence(mixed, x, y, None, loss)
+
+
+# ------------------------------------------------------------------ why it matters
+
+
+def test_one_example_moves_the_clipped_sum_of_a_mixing_model_by_many_c():
+    """The attack the check prevents. With batch centring before the first Dense, every
+    example's gradient is taken at x_j - mean(x): one outlying example drags all the others'
+    inputs (and so their clipped gradients) along, and the sum of clipped gradients, whose
+    sensitivity DP-SGD assumes to be C, moves by dozens of C when that one example is removed.
+    """
+    clip = 0.1
+    x = np.random.default_rng(5).normal(size=(64, 6)).astype("float32")
+    x[0] = 100.0  # the example whose presence the noise should hide
+    y = np.zeros(64, "int64")
+
+    def removal_shift(model):
+        with_it = clipped_sum(model, x, y, None, XENT, clip).grads
+        without = clipped_sum(model, x[1:], y[1:], None, XENT, clip).grads
+        return np.sqrt(sum(np.sum(np.square(a.numpy() - b.numpy()))
+                           for a, b in zip(with_it, without)))
+
+    honest = _seq(L.Dense(3))
+    mixing = _seq(BatchMean(name="centring"), L.Dense(3))
+    assert removal_shift(honest) <= clip * (1 + 1e-4)
+    assert removal_shift(mixing) > 20 * clip  # measured: 51 C
+    with pytest.raises(ValueError, match="'centring' \\(BatchMean\\) mixes the examples"):
+        check_per_example_independence(mixing, x, y, None, XENT)
+
+
+# ------------------------------------------------------------------ adapted preprocessing
+
+
+def test_adapted_layers_are_found():
+    data = RNG.normal(2.0, 3.0, size=(20, 3)).astype("float32")
+    adapted = L.Normalization(name="norm_adapted")
+    adapted.adapt(data)
+    given = L.Normalization(mean=[0.0, 1.0, 2.0], variance=[1.0, 1.0, 1.0], name="norm_given")
+    given.build((None, 3))
+    untouched = L.Normalization(name="norm_untouched")
+    untouched.build((None, 3))
+    bins = L.Discretization(num_bins=3, name="bins_adapted")
+    bins.adapt(data[:, 0])
+    fixed_bins = L.Discretization(bin_boundaries=[0.0, 1.0], name="bins_fixed")
+    text = L.TextVectorization(max_tokens=20, name="text_adapted")
+    text.adapt(["a private review", "another private review"])
+    text_fixed = L.TextVectorization(vocabulary=["a", "review"], name="text_fixed")
+    words = L.StringLookup(name="words_adapted")
+    words.adapt(["x", "y", "y"])
+    ints = L.IntegerLookup(name="ints_adapted")
+    ints.adapt(np.array([3, 4, 4]))
+    ints_fixed = L.IntegerLookup(vocabulary=[3, 4], name="ints_fixed")
+
+    every = [adapted, given, untouched, bins, fixed_bins, text, text_fixed, words, ints,
+             ints_fixed]
+    found = [layer.name for layer in every if adapted_preprocessing_layers(layer)]
+    assert found == ["norm_adapted", "bins_adapted", "text_adapted", "words_adapted",
+                     "ints_adapted"]
+
+
+def test_adapted_layer_in_a_model_warns():
+    norm = L.Normalization(name="stats")
+    norm.adapt(X)
+    model = keras.Sequential([keras.Input((6,)), norm, L.Dense(3)])
+    assert adapted_preprocessing_layers(model) == [norm]
+    with pytest.warns(UserWarning, match="'stats' \\(Normalization\\) were fitted with "
+                                         "adapt\\(\\).*OUTSIDE the privacy guarantee"):
+        assert warn_adapted_layers(model) == [norm]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_adapted_layers(_mlp([])) == []
+    # A TextVectorization is reported once, not also through its inner StringLookup.
+    text = L.TextVectorization(name="vectorize")
+    text.adapt(["some private text"])
+    strings = keras.Input((), dtype="string")
+    model = keras.Model(strings, L.Embedding(10, 2)(text(strings)))
+    assert [layer.name for layer in adapted_preprocessing_layers(model)] == ["vectorize"]
+    assert "public" in adapted_layers_warning([text])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
