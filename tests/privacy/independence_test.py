@@ -15,9 +15,11 @@ from tf_dp.core import build_per_example_loss, clipped_sum, reparam  # noqa: E40
 from tf_dp.core.independence import (  # noqa: E402
     adapted_layers_warning,
     adapted_preprocessing_layers,
+    check_before_private_training,
     check_per_example_independence,
     warn_adapted_layers,
 )
+from tf_dp.data import PoissonSampler  # noqa: E402
 from tf_dp.layers import reparametrize  # noqa: E402
 
 L = keras.layers
@@ -47,6 +49,13 @@ class PerBatchSize(L.Layer):
 class RollBatch(L.Layer):
     def call(self, x):
         return x + tf.roll(x, shift=1, axis=0)
+
+
+class CumulativeBatch(L.Layer):
+    """Row i sees rows 0..i: only a comparison that keeps the LATER rows catches it."""
+
+    def call(self, x):
+        return tf.cumsum(x, axis=0)
 
 
 class GradientOnlyMix(L.Layer):
@@ -134,6 +143,7 @@ def _mlp(middle):
 @pytest.mark.parametrize("layer, cause, found_by", [
     (lambda: BatchMean(name="batch_mean"), "'batch_mean' \\(BatchMean\\)", "were replaced"),
     (lambda: RollBatch(name="roll"), "'roll' \\(RollBatch\\)", "were replaced"),
+    (lambda: CumulativeBatch(name="cumsum"), "'cumsum' \\(CumulativeBatch\\)", "were replaced"),
     (lambda: PerBatchSize(name="per_batch"), "'per_batch' \\(PerBatchSize\\)",
      "batch shrank from 8 to 4"),
 ])
@@ -214,6 +224,52 @@ def test_too_few_rows_check_nothing_and_bad_arguments_raise():
 def test_unreplayable_randomness_warns_instead_of_refusing():
     with pytest.warns(UserWarning, match="could not check.*cannot be replayed"):
         check_per_example_independence(_mlp([StatefulNoise()]), X, Y, None, XENT)
+
+
+# ------------------------------------------------------------------ before training
+
+
+def test_check_before_training_reads_the_first_batch_of_any_input():
+    def gen():
+        while True:
+            yield X[:4], Y[:4]
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return X[4 * i:4 * i + 4], Y[4 * i:4 * i + 4]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the seeded sampler's warning
+        sampler = PoissonSampler(X, Y, expected_batch_size=6, pad_to=12, seed=0)
+    inputs = {"arrays": (X, Y, None), "sampler": (sampler, None, None),
+              "dataset": (sampler.dataset(), None, None), "pydataset": (Batches(), None, None),
+              "dict": ({"features": X}, Y, np.ones(12))}
+    for name, (x, y, w) in inputs.items():
+        def build(middle):
+            inp = keras.Input((6,), name="features")
+            out = _mlp(middle)(inp)
+            return keras.Model({"features": inp} if name == "dict" else inp, out)
+
+        with pytest.raises(ValueError, match="BatchMean"):
+            check_before_private_training(build([BatchMean()]), x, y, w, XENT)
+        model = build([])
+        assert check_before_private_training(model, x, y, w, XENT), name
+        assert not check_before_private_training(model, x, y, w, XENT), name  # done once
+    with pytest.warns(UserWarning, match="could not check.*\\(generator\\) cannot be read ahead"):
+        assert not check_before_private_training(_mlp([BatchMean()]), gen(), None, None, XENT)
+
+
+def test_check_before_training_runs_again_when_the_architecture_changes():
+    model = _mlp([L.BatchNormalization(name="bn")])
+    model.get_layer("bn").trainable = False
+    assert check_before_private_training(model, X, Y, None, XENT)
+    assert not check_before_private_training(model, X, Y, None, XENT)
+    model.get_layer("bn").trainable = True
+    with pytest.raises(ValueError, match="'bn' is a BatchNormalization layer"):
+        check_before_private_training(model, X, Y, None, XENT)
 
 
 # ------------------------------------------------------------------ no false positives

@@ -7,19 +7,27 @@ division by the batch size) lets one example move every other example's gradient
 it changes the clipped sum by up to about B * C, not C, and the reported epsilon is void.
 
 A list of offending layer classes cannot be complete (any custom layer can mix), so
-:func:`check_per_example_independence` tests the property itself on a few rows of a real
-batch, eagerly and in training mode (the mode of the private step):
+:func:`check_per_example_independence` tests the property itself on a few rows (n <= 8) of
+a real batch, in training mode (the mode of the private step), before training:
 
-    full      rows r_0 .. r_{n-1}                          (reference)
-    content   first half kept at its positions, the rest replaced by copies of kept rows
-              (and the mirror image): same batch shape, other examples changed
-    removal   the first half alone: the batch size changes
+    reference  rows r_0 .. r_{n-1}
+    content    the first half kept at its positions, the other rows replaced by copies of
+               kept rows (and the mirror image): same batch shape, other examples changed
+    removal    the first half alone: the batch size changes
 
-and refuses the model if the outputs, per-example losses or the gradient of a random
-combination of the kept rows' losses differ. Random layers are replayed (their Keras seed
-generators are reset before every pass), so every pass sees the same masks; stateless
-Keras random ops draw the first k rows of a batch identically for any batch size, so the
-removal test compares like with like too.
+and refuses the model if, at the kept rows, the outputs, the per-example losses or the
+gradient of a random positive combination of their losses differ (norm-wise, relative
+tolerance 1e-4; float noise between batch sizes is ~1e-7, mixing layers move them by
+~1e-1). Random layers are replayed (their Keras seed generators are reset before every
+pass), so all passes see the same masks; Keras' stateless random ops draw the first k rows
+of a batch alike for any batch size, and where a layer's draws do not (the removal test
+then differs), the removal test is repeated with the random layers in inference mode. On a
+refusal the passes are repeated eagerly with every layer call recorded, and the first call
+whose inputs agree at the kept rows while its outputs do not is named.
+
+Not seen: mixing that only occurs at batch positions or sizes the probe does not produce,
+or that is below the tolerance; random ops outside Keras seed generators make the passes
+incomparable (the check then warns and lets training go on).
 
 Preprocessing layers fitted with ``adapt`` (:func:`adapted_preprocessing_layers`) hold
 statistics of whatever data they were adapted on; on the private training data these are
@@ -32,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from typing import Callable, Optional, Sequence
 
 import keras
@@ -63,10 +72,13 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
                                    rtol: float = DEFAULT_RTOL) -> None:
     """Raises ``ValueError`` if an example's loss or gradient depends on the other examples.
 
-    Runs eagerly, with ``training=True``, on up to ``num_rows`` rows of a real batch (rows of
-    sample weight 0, i.e. padding, are skipped). The model's state (normalisation
-    statistics, seed generators) is restored afterwards. Known offenders
-    (``BatchNormalization``) are refused first with their own message.
+    Call it outside any traced function, before the first private step. It runs the model
+    with ``training=True`` on up to ``num_rows`` rows of a real batch (rows of sample weight
+    0, i.e. padding, are skipped): five passes of at most ``num_rows`` rows through one
+    ``tf.function`` traced for an unknown batch size (plus eager passes to name the layer
+    when it refuses). The model's state (normalisation statistics, seed generators) is
+    restored afterwards. Known offenders (``BatchNormalization``) are refused first with
+    their own message.
 
     Args:
       model: the Keras model (built or not; an unbuilt model is built by the check).
@@ -101,15 +113,84 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
         return
     variables = list(model.trainable_variables if variables is None else variables)
     with _preserved_state(model) as replay:
-        checker = _Checker(model, per_example_loss, variables, replay, rtol)
-        checker.run(xs, ys, n)
+        _Checker(model, per_example_loss, variables, replay, rtol).run(xs, ys, n)
+
+
+def check_before_private_training(model: keras.Model, x, y=None, sample_weight=None,
+                                  per_example_loss: Callable = None,
+                                  variables: Optional[Sequence] = None) -> bool:
+    """:func:`check_per_example_independence` on the first rows of training input ``x``, once
+    per model architecture (its layers and their ``trainable`` flags).
+
+    ``x`` is anything ``fit`` / ``train_on_batch`` accept: arrays or tensors (nested), a
+    ``tf_dp.data.PoissonSampler``, a ``tf.data.Dataset`` of batches (its first batch is
+    read), a ``keras.utils.PyDataset`` (its batch 0); a Python generator cannot be peeked
+    at without consuming it, so it gets a warning instead.
+
+    Returns:
+      True if the check ran (and passed), False if this architecture had already passed it or
+      the input cannot be read ahead (then with a warning; the next call tries again).
+
+    Raises:
+      ValueError: as :func:`check_per_example_independence`.
+    """
+    if per_example_loss is None:
+        raise ValueError("`per_example_loss` is required.")
+    signature = _architecture(model)
+    if _CHECKED.get(model) == signature:
+        return False
+    probe = _first_batch(x, y, sample_weight)
+    if probe is None:
+        _warn_unchecked(f"its input ({type(x).__name__}) cannot be read ahead without "
+                        "consuming it; pass arrays, a PoissonSampler or a tf.data.Dataset",
+                        stacklevel=3)
+        return False
+    check_per_example_independence(model, *probe, per_example_loss, variables=variables)
+    _CHECKED[model] = signature
+    return True
+
+
+_CHECKED = weakref.WeakKeyDictionary()  # model -> architecture it last passed the check with
+
+
+def _architecture(model):
+    return tuple((id(layer), layer.trainable)
+                 for layer in model._flatten_layers(include_self=True, recursive=True))
+
+
+def _first_batch(x, y, sample_weight, rows=4 * DEFAULT_NUM_ROWS):
+    """(x, y, sample_weight) of at most ``rows`` rows of the first batch of ``x``, or None."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    from tf_dp.data.poisson import PoissonSampler
+
+    if isinstance(x, PoissonSampler):
+        x, y, sample_weight = x.x, x.y, x.sample_weight
+    elif isinstance(x, tf.data.Dataset):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(next(iter(x.take(1))))
+    elif isinstance(x, keras.utils.PyDataset):
+        batch = x[0]
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+            tuple(batch) if isinstance(batch, list) else batch)
+    leaves = [t for t in tf.nest.flatten(x) if t is not None]
+    if not leaves or not all(tf.is_tensor(t) or hasattr(t, "shape") for t in leaves):
+        return None  # a generator or another one-pass iterable
+
+    def head(t):
+        if t is None:
+            return None
+        if hasattr(t, "iloc"):  # pandas
+            return np.asarray(t.iloc[:rows])
+        return t[:rows]
+
+    return tuple(tf.nest.map_structure(head, part) for part in (x, y, sample_weight))
 
 
 @dataclasses.dataclass
 class _Pass:
     outputs: list  # flat model outputs
     losses: tf.Tensor  # (B,)
-    grads: list  # per coefficient vector: list of gradients over variables
+    grads: list  # gradient of sum_i c_i l_i for each variable
 
 
 @dataclasses.dataclass
@@ -118,16 +199,16 @@ class _Comparison:
 
     description: str
     index: list  # reference row of each row of this batch
-    rows: list  # rows of this batch compared ...
-    ref_rows: list  # ... with these rows of the reference batch
-    stochastic_off: bool = False
+    rows: list  # rows of this batch compared with the same rows of the reference batch
+    removal: bool = False  # the batch is smaller than the reference
 
 
 class _Checker:
+    """The passes and comparisons of one check (see the module docstring)."""
+
     def __init__(self, model, per_example_loss, variables, replay, rtol):
         self.model = model
         self.loss = per_example_loss
-        self.variables = variables
         self.handles = [v.value if hasattr(v, "value") else v for v in variables]
         self.replay = replay
         self.rtol = rtol
@@ -138,132 +219,184 @@ class _Checker:
         first, second = list(range(h)), list(range(h, n))
         comparisons = [
             _Comparison("when the other examples of the batch were replaced",
-                        first + [first[i % h] for i in range(n - h)], first, first),
+                        first + [first[i % h] for i in range(n - h)], first),
+            # The mirror image: rows that depend only on earlier rows (a cumulative sum over
+            # the batch) are seen here.
             _Comparison("when the other examples of the batch were replaced",
-                        [second[i % (n - h)] for i in range(h)] + second, second, second),
+                        [second[i % (n - h)] for i in range(h)] + second, second),
             _Comparison(f"when the batch shrank from {n} to {h} examples (a layer that "
                         "depends on the batch size, e.g. divides by it, mixes examples too)",
-                        first, first, first),
+                        first, first, removal=True),
         ]
+        # One trace with an unknown batch size serves every pass (RNNs run ~20x slower
+        # eagerly than traced).
+        run_pass = self._compiled(xs, ys)
         try:
-            ref = self._pass(xs, ys, list(range(n)), coef, [first, second])
-            again = self._pass(xs, ys, list(range(n)), coef, [])
-        except Exception as err:  # noqa: BLE001
+            refs = {"first": run_pass(xs, ys, _masked(coef, first)),
+                    "second": run_pass(xs, ys, _masked(coef, second))}
+        except Exception as err:  # noqa: BLE001 - the private step will report it properly
             _warn_unchecked(f"the model could not be called on {n} rows ({err})")
             return
-        if self._differs(ref, again, list(range(n)), list(range(n)), None) is not None:
-            _warn_unchecked(
-                "the forward pass is random in a way that cannot be replayed (random ops "
-                "outside Keras seed generators)")
-            return
         for comp in comparisons:
-            diff = self._compare(xs, ys, ref, comp, coef, first, second)
+            ref = refs["first" if comp.rows == first else "second"]
+            try:
+                got = run_pass(_take(xs, comp.index), _take(ys, comp.index),
+                               _masked(coef[comp.index], comp.rows))
+            except Exception as err:  # noqa: BLE001
+                if not comp.removal:
+                    raise
+                _warn_unchecked(f"the model could not be called on {h} rows ({err}); only "
+                                f"batches of {n} rows were compared")
+                continue
+            diff = self._differs(ref, got, comp.rows)
             if diff is None:
                 continue
-            if comp.index == first and _has_stochastic_layers(self.model):
-                # The removal test assumes random layers draw a batch's first rows alike
-                # for any batch size (true of Keras' stateless ops); confirm without them.
-                comp = dataclasses.replace(comp, stochastic_off=True)
+            if not self._replayable(run_pass, xs, ys, ref, coef, comp.rows):
+                _warn_unchecked("the forward pass is random in a way that cannot be replayed "
+                                "(random ops outside Keras seed generators)")
+                return
+            stochastic_off = False
+            if comp.removal and _stochastic_layers(self.model):
+                # The removal test assumes random layers draw a batch's first rows alike for
+                # any batch size (true of Keras' stateless ops); confirm without them.
+                stochastic_off = True
                 with _stochastic_layers_off(self.model):
-                    ref_off = self._pass(xs, ys, list(range(n)), coef, [first, second])
-                    diff = self._compare(xs, ys, ref_off, comp, coef, first, second)
+                    run_off = self._compiled(xs, ys)
+                    ref = run_off(xs, ys, _masked(coef, first))
+                    got = run_off(_take(xs, first), _take(ys, first), _masked(coef[first], first))
+                diff = self._differs(ref, got, comp.rows)
                 if diff is None:
                     continue
-            raise ValueError(self._message(xs, ys, comp, diff, n))
+            raise ValueError(self._message(xs, comp, diff, n, stochastic_off))
 
-    def _compare(self, xs, ys, ref, comp, coef, first, second):
-        try:
-            got = self._pass(_take(xs, comp.index), _take(ys, comp.index), comp.rows,
-                             coef[comp.index], [comp.rows])
-        except Exception as err:  # noqa: BLE001
-            if comp.index == first:  # e.g. a model that needs a fixed batch size
-                _warn_unchecked(f"the model could not be called on {len(first)} rows ({err}); "
-                                "only batches of the full probe size were compared",
-                                stacklevel=5)
-                return None
-            raise
-        ref_grads = ref.grads[0 if comp.ref_rows == first else 1]
-        return self._differs(ref, got, comp.ref_rows, comp.rows, (ref_grads, got.grads[0]))
-
-    def _pass(self, xs, ys, _rows, coef, coef_rows):
-        _replay(self.replay)
-        with tf.GradientTape(persistent=len(coef_rows) > 1) as tape:
+    def _pass(self, xs, ys, coef):
+        """One replayed training-mode pass: outputs, per-example losses (unit weights) and
+        the gradient of ``sum_i coef_i l_i``."""
+        with tf.GradientTape() as tape:
             tape.watch(self.handles)
             y_pred = self.model(xs, training=True)
             losses = self.loss(ys, y_pred, None)
-            objectives = []
-            for rows in coef_rows:
-                c = np.zeros(len(coef))
-                c[rows] = coef[rows]
-                objectives.append(tf.reduce_sum(losses * tf.constant(c, losses.dtype)))
-        grads = [tape.gradient(o, self.handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                 for o in objectives]
-        del tape
-        return _Pass(tf.nest.flatten(y_pred), losses, grads)
+            objective = tf.reduce_sum(losses * tf.cast(coef, losses.dtype))
+        grads = tape.gradient(objective, self.handles,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return tf.nest.flatten(y_pred), losses, grads
 
-    def _differs(self, ref, got, ref_rows, rows, grads):
-        """What differs between two passes at corresponding rows, or None."""
+    def _compiled(self, xs, ys):
+        return _compiled_pass(self._pass, self.replay, xs, ys)
+
+    def _replayable(self, run_pass, xs, ys, ref, coef, rows):
+        again = run_pass(xs, ys, _masked(coef, rows))
+        return self._differs(ref, again, list(range(_num_rows(xs)))) is None
+
+    def _differs(self, ref, got, rows):
+        """What differs between two passes at ``rows`` (outputs, loss, gradient), or None."""
         for a, b in zip(ref.outputs, got.outputs):
-            if not _rows_close(a, b, ref_rows, rows, self.rtol):
+            if not _rows_close(a, b, rows, self.rtol):
                 return "output"
-        if not _rows_close(ref.losses, got.losses, ref_rows, rows, self.rtol):
+        if not _rows_close(ref.losses, got.losses, rows, self.rtol):
             return "loss"
-        if grads is not None and not _grads_close(grads[0], grads[1], self.rtol):
+        if not _grads_close(ref.grads, got.grads, self.rtol):
             return "gradient"
         return None
 
-    def _message(self, xs, ys, comp, diff, n):
-        where = self._locate(xs, ys, comp) if diff == "output" else None
+    def _message(self, xs, comp, diff, n, stochastic_off):
+        where, layer = (self._locate(xs, comp, stochastic_off) if diff == "output"
+                        else (None, None))
         subject = {"output": "the model's output", "loss": "the per-example loss",
                    "gradient": "the gradient of the per-example loss"}[diff]
         if where is None:
-            if diff == "loss":
-                where = "The loss function"
-            elif diff == "gradient":
-                where = ("The model's gradient (its forward values do not mix, so a custom "
-                         "gradient or stop_gradient does)")
-            else:
-                where = "The model"
+            where = {"loss": "The loss function",
+                     "gradient": "The model's gradient (its forward values do not mix, so a "
+                                 "custom gradient or a stop_gradient does)"}.get(diff, "The model")
         extra = ""
-        layer = getattr(self, "_culprit", None)
         if isinstance(layer, keras.layers.BatchNormalization):
             extra = (" It is a BatchNormalization layer in training mode: its batch "
-                     "statistics mix examples; freeze it (layer.trainable = False) or use "
-                     "GroupNormalization/LayerNormalization.")
+                     "statistics mix examples.")
         return (f"tf_dp: {where} mixes the examples of a batch: {subject} for one example "
                 f"changed {comp.description} (checked on {n} rows of the first batch, "
                 f"training=True).{extra} {_WHY} {_WHAT_TO_DO}")
 
-    def _locate(self, xs, ys, comp):
-        """The first layer call whose inputs agree at the compared rows and outputs do not."""
-        self._culprit = None
-        n = _num_rows(xs)
-        ctx = _stochastic_layers_off(self.model) if comp.stochastic_off else contextlib.nullcontext()
+    def _locate(self, xs, comp, stochastic_off):
+        """(Its description, the layer) of the first layer call whose inputs agree at the
+        compared rows and whose outputs do not; (None, None) if none is found."""
+        n, n_got = _num_rows(xs), len(comp.index)
+        off = _stochastic_layers_off(self.model) if stochastic_off else contextlib.nullcontext()
         try:
-            with ctx:
+            with off:  # eagerly: the recorded values are compared
                 with _recorded_calls(self.model) as ref_calls:
-                    self._pass(xs, ys, None, np.ones(n), [])
+                    _replay(self.replay)
+                    self.model(xs, training=True)
                 with _recorded_calls(self.model) as got_calls:
-                    self._pass(_take(xs, comp.index), _take(ys, comp.index), None,
-                               np.ones(len(comp.index)), [])
+                    _replay(self.replay)
+                    self.model(_take(xs, comp.index), training=True)
         except Exception:  # noqa: BLE001 - locating is a courtesy; the refusal stands
-            return None
+            return None, None
         if len(ref_calls) != len(got_calls):
-            return None
-        n_got = len(comp.index)
-        for (layer, ins_a, outs_a), (_, ins_b, outs_b) in zip(ref_calls, got_calls):
-            def clean(ts_a, ts_b):
-                return all(_rows_close(a, b, comp.ref_rows, comp.rows, self.rtol, n, n_got)
-                           for a, b in zip(ts_a, ts_b))
+            return None, None
 
+        def clean(ts_a, ts_b):
+            return all(_rows_close(a, b, comp.rows, self.rtol, n, n_got)
+                       for a, b in zip(ts_a, ts_b))
+
+        for (layer, ins_a, outs_a), (_, ins_b, outs_b) in zip(ref_calls, got_calls):
             if clean(ins_a, ins_b) and not clean(outs_a, outs_b):
-                self._culprit = layer
                 kind = type(layer).__name__
                 if _sublayers(layer):
                     return (f"The call of {kind} {layer.name!r} itself (outside its "
-                            "sublayers)")
-                return f"Layer {layer.name!r} ({kind})"
+                            "sublayers)"), layer
+                return f"Layer {layer.name!r} ({kind})", layer
+        return None, None
+
+
+def _masked(coef, rows):
+    """``coef`` at ``rows``, 0 elsewhere."""
+    out = np.zeros(len(coef))
+    out[rows] = np.asarray(coef)[rows]
+    return out
+
+
+def _compiled_pass(pass_fn, replay, xs, ys):
+    """``pass_fn(x, y, coef)`` traced once for any batch size (inputs shaped like ``xs``,
+    ``ys``); each call replays the random state first and returns a ``_Pass``."""
+
+    def relaxed(t):
+        if isinstance(t, tf.Tensor):
+            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
+        if isinstance(t, tf.RaggedTensor):
+            return tf.RaggedTensorSpec([None] + t.shape[1:].as_list(), t.dtype, t.ragged_rank,
+                                       t.row_splits.dtype)
         return None
+
+    x_spec = tf.nest.map_structure(relaxed, xs)
+    y_spec = tf.nest.map_structure(relaxed, ys) if ys is not None else None
+    specs = tf.nest.flatten((x_spec, y_spec))
+    coef_spec = tf.TensorSpec([None], tf.float64)
+    if ys is None:
+        fn = lambda x, c: pass_fn(x, None, c)  # noqa: E731
+        signature = [x_spec, coef_spec]
+    else:
+        fn = pass_fn
+        signature = [x_spec, y_spec, coef_spec]
+    if any(s is None for s in specs):
+        traced = tf.function(fn, reduce_retracing=True)
+    else:
+        traced = tf.function(fn, input_signature=signature)
+
+    def run(x, y, coef):
+        _replay(replay)
+        args = (x, tf.constant(coef, tf.float64)) if ys is None else (
+            x, y, tf.constant(coef, tf.float64))
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            # Inside a strategy's scope: gradients of distributed variables exist only in a
+            # replica context. Every replica computes the same pass; keep the first.
+            strategy = tf.distribute.get_strategy()
+            result = strategy.experimental_local_results(strategy.run(traced, args=args))[0]
+        else:
+            result = traced(*args)
+        outputs, losses, grads = result
+        return _Pass(list(outputs), losses, list(grads))
+
+    return run
 
 
 # ------------------------------------------------------------------ probe rows, comparisons
@@ -302,23 +435,24 @@ def _take(structure, index):
 
 
 def _as_rows(t, rows, batch):
-    """``t[rows]`` as float64, or None if ``t`` has no batch axis of size ``batch``."""
+    """``t[rows]`` as float64, or None if ``t`` has no batch axis (of size ``batch``)."""
     if isinstance(t, tf.RaggedTensor):
         t = t.to_tensor()
     if not tf.is_tensor(t) or t.shape.rank is None or t.shape.rank == 0:
         return None
     if batch is not None and int(tf.shape(t)[0]) != batch:
         return None
-    if t.dtype == tf.string or t.dtype == tf.bool:
-        t = tf.cast(tf.strings.to_hash_bucket_fast(t, 2**31), tf.float64) \
-            if t.dtype == tf.string else tf.cast(t, tf.float64)
+    if t.dtype == tf.string:
+        t = tf.strings.to_hash_bucket_fast(t, 2**31)
     return tf.cast(tf.gather(t, rows), tf.float64)
 
 
-def _rows_close(a, b, rows_a, rows_b, rtol, batch_a=None, batch_b=None):
-    a, b = _as_rows(a, rows_a, batch_a), _as_rows(b, rows_b, batch_b)
+def _rows_close(a, b, rows, rtol, batch_a=None, batch_b=None):
+    """Whether ``a[rows]`` and ``b[rows]`` agree to ``rtol`` (norm-wise); True if either has
+    no batch axis."""
+    a, b = _as_rows(a, rows, batch_a), _as_rows(b, rows, batch_b)
     if a is None or b is None or a.shape != b.shape:
-        return True  # nothing comparable
+        return True
     return _close(float(tf.reduce_sum(tf.square(a - b))), float(tf.reduce_sum(tf.square(a))),
                   float(tf.reduce_sum(tf.square(b))), rtol)
 
@@ -459,7 +593,7 @@ def _sublayers(layer):
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
-def _warn_unchecked(reason, stacklevel=4):
+def _warn_unchecked(reason, stacklevel=5):
     warnings.warn(f"tf_dp: could not check that the model treats examples independently: "
                   f"{reason}. A layer that mixes the examples of a batch would void the "
                   "privacy guarantee.", UserWarning, stacklevel=stacklevel)
