@@ -1,6 +1,7 @@
 r"""A small Transformer encoder on Rotten Tomatoes snippets, trained with RGP / LSG or DP-Adam.
 
-Model: TextVectorization (adapted on the training split only, applied outside the model) ->
+Model: TextVectorization (adapted on the training split only, applied outside the model; its
+vocabulary is a statistic of the private texts released outside epsilon, see main()) ->
 token Embedding + learned positional Embedding -> --num_blocks x [multi-head self-attention
 -> Add -> LayerNorm -> Dense(ff, relu) -> Dense -> Add -> LayerNorm] -> masked mean pooling
 -> Dense(2).
@@ -190,6 +191,11 @@ def main(argv):
     vectorize = keras.layers.TextVectorization(max_tokens=FLAGS.max_tokens,
                                                output_sequence_length=FLAGS.sequence_length)
     vectorize.adapt(tf.constant(text_train))
+    # No public text ships with the data, so the vocabulary (the most frequent training words)
+    # is computed from the private texts without noise; say so next to the epsilon.
+    print("note: the TextVectorization vocabulary was adapted on the training texts: it is "
+          "released with the model OUTSIDE the privacy guarantee (the epsilon below does not "
+          "cover it; a vocabulary from public text, or hashing, would be covered).")
     x_train = np.asarray(vectorize(tf.constant(text_train)), dtype="int64")
     x_test = np.asarray(vectorize(tf.constant(text_test)), dtype="int64")
     vocab_size = vectorize.vocabulary_size()
