@@ -529,6 +529,229 @@ def _patched_calls(layers, rec, patched):
                 layer.call = original
 
 
+# ---------------------------------------------------------------------------- precision
+#
+# What bounds an example's contribution is w_i times the norm of its gradient *as the weighted
+# sum forms it*. So the factors are brought to float32 (float64 for float64 models) before any
+# norm or sum: float16 Gram entries overflow at 65504 and bfloat16 keeps 8 bits. Every norm
+# comes with an upper bound that accounts for the rounding of its own computation and of the
+# sum it describes, from the classical bound for a sum of n terms computed in any order: off
+# by at most gamma_{n-1} times the sum of their absolute values, gamma_n = n u / (1 - n u)
+# (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed. 2002, Sec. 3.1 and 4.2).
+# The Gram form sum((A A^T) * (G G^T)) squares the conditioning of sum_t a_t g_t^T: with
+# kappa = sum_t ||a_t|| ||g_t|| / ||A^T G||, float32 loses kappa^2 u32 of the squared norm (it
+# even goes negative), so Gram matrices are formed in float64, where the same bound is tiny
+# for any kappa below ~1e6 and stays sound (only conservative) above.
+
+_UNIT_ROUNDOFF = {tf.float16: 2.0**-11, tf.bfloat16: 2.0**-8, tf.float32: 2.0**-24,
+                  tf.float64: 2.0**-53}
+
+#: float32 squares are summed in blocks of at most this many (relative error at most
+#: gamma_128 = 7.6e-6), the block sums in float64: a rigorous bound without casting the
+#: per-example gradients, often the largest tensors of the step, to float64.
+_SQUARES_BLOCK = 128
+
+#: float32 flushes results below its smallest normal number to zero on CPUs.
+_FLUSH_FLOAT32 = 2.0**-126
+
+
+def accumulation_dtype(dtype):
+    """The dtype of norms' inputs and weighted sums: float64 for float64, else float32."""
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def unit_roundoff(dtype) -> float:
+    """u = 2^-p of a float dtype with p significand bits (round to nearest)."""
+    return _UNIT_ROUNDOFF[tf.as_dtype(dtype)]
+
+
+def _gamma(n, dtype):
+    """gamma_n = n u / (1 - n u) as float64 (n may be a tensor); inf when n u >= 1/2."""
+    nu = tf.cast(n, tf.float64) * unit_roundoff(dtype)
+    return tf.where(nu < 0.5, nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
+
+
+def _block_size(n):
+    """The largest divisor of n that is at most _SQUARES_BLOCK."""
+    return next(k for k in range(min(n, _SQUARES_BLOCK), 0, -1) if n % k == 0)
+
+
+def squared_norms(t):
+    """Squared norms of the rows of ``t`` (B, ...) and upper bounds of their exact values.
+
+    Returns (estimate, upper bound), both (B,) float64. float32 rows are summed in float32
+    blocks (see ``_SQUARES_BLOCK``); when a square overflows float32 (entries above 1.8e19),
+    rows are rescaled by their largest entry first. Rows that hold inf or NaN give inf/NaN.
+    """
+    flat = _flat_per_example(t)
+    n = flat.shape[1]
+    if flat.dtype == tf.float64 or n is None or n == 0:
+        flat = tf.cast(flat, tf.float64)
+        sq = tf.reduce_sum(tf.square(flat), axis=1)
+        size = tf.cast(tf.shape(flat)[1], tf.float64)
+        return sq, sq * (1.0 + _gamma(size + 1, tf.float64)) + size * 2.0**-1022
+    flat = tf.cast(flat, tf.float32)
+    k = _block_size(n)
+
+    def block_sums(x):
+        return tf.reduce_sum(tf.square(tf.reshape(x, [-1, n // k, k])), axis=-1)
+
+    def rescaled():
+        top = tf.reduce_max(tf.abs(flat), axis=1)
+        top = tf.where((top > 0) & tf.math.is_finite(top), top, tf.ones_like(top))
+        q = tf.cast(block_sums(flat / top[:, None]), tf.float64)
+        # A division, a square and k-1 additions in float32 per block sum; flushed squares
+        # lose less than 2^-126 of top^2 each.
+        rel = _gamma(k + 1, tf.float32) + n * _FLUSH_FLOAT32
+        return q * tf.square(tf.cast(top, tf.float64))[:, None], rel
+
+    q = block_sums(flat)
+    # A square and k-1 additions in float32 per block sum.
+    q, rel = tf.cond(tf.reduce_all(tf.math.is_finite(q)),
+                     lambda: (tf.cast(q, tf.float64), _gamma(k, tf.float32)), rescaled)
+    sq = tf.reduce_sum(q, axis=1)
+    # n/k block sums in float64; each flushed square loses less than 2^-126.
+    rel = rel + _gamma(n // k + 1, tf.float64)
+    return sq, sq * (1.0 + rel) + n * _FLUSH_FLOAT32
+
+
+def _gram_norms(a, g):
+    """``||sum_t a_t g_t^T||^2`` from float64 Gram matrices, with a bound, per example.
+
+    Returns (estimate clamped to [0, l1^2], upper bound, l1), all (B,) float64, where
+    ``l1 = sum_t ||a_t|| ||g_t||`` bounds both the norm and the size of every rounding error.
+    """
+    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    aa = tf.einsum("btd,bsd->bts", a64, a64)
+    gg = tf.einsum("btp,bsp->bts", g64, g64)
+    s = tf.reduce_sum(aa * gg, axis=[1, 2])
+    l1 = tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(a64), -1))
+                       * tf.sqrt(tf.reduce_sum(tf.square(g64), -1)), axis=1)
+    l1_sq = tf.square(l1)
+    steps = tf.shape(a)[1]
+    # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
+    # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
+    # ||g_t|| ||g_s|| = gamma l1^2; l1 itself is computed with a relative error below gamma.
+    rel = _gamma(tf.shape(a)[2] + tf.shape(g)[2] + steps * steps + steps + 8, tf.float64)
+    sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
+    upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
+    return sq, upper, l1
+
+
+#: An example whose float32 weighted sum could be off by more than this fraction of its norm
+#: (an ill-conditioned gradient: terms far larger than their sum) has its sums formed in
+#: float64 instead; in float32 its factor would have to be lowered by that much to stay sound.
+_FLOAT32_SUM_MAX_SLACK = 1e-4
+
+
+def _ill_conditioned(norm_bound, slack):
+    """(B,) bool: the float32 ``slack`` is above ``_FLOAT32_SUM_MAX_SLACK`` of the norm."""
+    return slack > _FLOAT32_SUM_MAX_SLACK * norm_bound
+
+
+def _row_sums(ids, g):
+    """``R_t = sum_s [id_s = id_t] g_s``: the row of the per-example gradient token t feeds,
+    and how many tokens feed it."""
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+    return tf.einsum("bts,bsd->btd", same, g), tf.reduce_sum(same, axis=2), same
+
+
+def _rows_norm(row_sums, count):
+    """(estimate, upper bound) of ``sqrt(sum_t ||R_t||^2 / count_t)``, each row counted once."""
+    batch, steps = tf.shape(row_sums)[0], tf.shape(row_sums)[1]
+    r_sq, r_upper = squared_norms(tf.reshape(row_sums, [batch * steps, -1]))
+    count = tf.cast(count, tf.float64)
+    return (tf.reduce_sum(tf.reshape(r_sq, [batch, steps]) / count, axis=1),
+            tf.sqrt(tf.reduce_sum(tf.reshape(r_upper, [batch, steps]) / count, axis=1)))
+
+
+def _embedding_norms(ids, g):
+    """Norms of the per-example embedding gradients (rows ``ids[i, t]`` receive ``g[i, t]``).
+
+    Every token's row sum ``R_t`` is formed (B*T^2*D, like the Gram form), and
+    ``||grad||^2 = sum_t ||R_t||^2 / count_t``: a sum of squares, which cannot cancel.
+
+    Returns (squared norm, upper bound of the norm of what ``weighted_sum`` adds per unit
+    weight, (B,) bool of the examples whose sums are formed in float64 (None for float64 g)).
+    """
+    row_sums, count, same = _row_sums(ids, g)
+    sq, upper = _rows_norm(row_sums, count)
+    batch, steps = tf.shape(g)[0], tf.shape(g)[1]
+    # R_t (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
+    # row: each is off by at most gamma_{T+1} sum_{s in row} ||g_s||, whose norm over rows is
+    # `spread` (itself summed in g's dtype, hence the extra gamma).
+    _, g_sq = squared_norms(tf.reshape(g, [batch * steps, -1]))
+    g_norms = tf.cast(tf.reshape(tf.sqrt(g_sq), [batch, steps]), g.dtype)
+    near = tf.cast(tf.einsum("bts,bs->bt", same, g_norms), tf.float64)
+    spread = tf.sqrt(tf.reduce_sum(tf.square(near) / tf.cast(count, tf.float64), axis=1))
+    slack = 2.0 * _gamma(steps + 1, g.dtype) * spread * (1.0 + _gamma(steps + 4, g.dtype))
+    if g.dtype == tf.float64:
+        return sq, upper + slack, None
+    wide = _ill_conditioned(upper, slack)
+    # Ill-conditioned examples: row sums again in float64, for them only.
+    idx = tf.where(wide)
+    sums64, count64, _ = _row_sums(tf.gather_nd(ids, idx),
+                                   tf.cast(tf.gather_nd(g, idx), tf.float64))
+    sq64, upper64 = _rows_norm(sums64, count64)
+    sq = tf.tensor_scatter_nd_update(sq, idx, sq64)
+    upper = tf.tensor_scatter_nd_update(upper, idx, upper64)
+    # ... in float64 then, and rounded once to float32.
+    slack = tf.where(wide, 2.0 * _gamma(steps + 1, tf.float64) * spread, slack)
+    return sq, upper + slack, wide
+
+
+def _materialised_norms(per):
+    """(squared norm, norm bound) of materialised per-example gradients ``per`` (B, ...).
+
+    The weighted sum adds ``w_i * per_i`` itself: the bound is that of the norm's own
+    rounding (the products ``w_i per_i`` are the final products, see ``clip_factors``).
+    """
+    sq, upper = squared_norms(per)
+    return sq, tf.sqrt(upper)
+
+
+def combined_norms(norm_objs, per_example_grads, like):
+    """Per-example norms and their bounds over several variables.
+
+    ``norm_objs``: ``_VarNorm``s computed with exact norms; ``per_example_grads``: (B, ...)
+    materialised per-example gradients of other variables (the vectorized fallback); ``like``:
+    a (B,) tensor (zeros come out when there is no variable).
+    Returns (norms, bounds), (B,) float64: ``bounds[i]`` bounds the norm of everything the
+    weighted sums add for example i per unit weight (``sqrt(sum_v bound_v^2)``, the norm of a
+    concatenation of parts each bounded by ``bound_v``).
+    """
+    sq, bound_sq = None, None
+    parts = [(o.sq, o.bound) for o in norm_objs]
+    parts += [_materialised_norms(g) for g in per_example_grads]
+    for s, b in parts:
+        sq = s if sq is None else sq + s
+        bound_sq = tf.square(b) if bound_sq is None else bound_sq + tf.square(b)
+    if sq is None:
+        zeros = tf.zeros_like(tf.cast(like, tf.float64))
+        return zeros, zeros
+    # sqrt(sum of V squares) in float64: relative error far below float32's.
+    return tf.sqrt(sq), tf.sqrt(bound_sq) * (1.0 + _gamma(len(parts) + 4, tf.float64))
+
+
+def _drop(x, w):
+    """``x`` with the examples of weight 0 zeroed, even where ``x`` is inf or NaN."""
+    keep = tf.reshape(w > 0, [-1] + [1] * (x.shape.rank - 1))
+    return tf.where(keep, x, tf.zeros_like(x))
+
+
+def weighted_per_example_sum(w, per, drop_non_finite=False):
+    """``sum_i w_i per_i`` of materialised per-example gradients ``per`` (B, ...).
+
+    Formed in float32 (float64 for float64 ``per``). ``drop_non_finite``: examples of weight
+    0 add nothing even if their gradient is inf or NaN (0 * inf would be NaN).
+    """
+    acc = accumulation_dtype(per.dtype)
+    per = tf.cast(per, acc)
+    if drop_non_finite:
+        per = _drop(per, w)
+    return tf.tensordot(tf.cast(w, acc), per, axes=1)
+
+
 # ---------------------------------------------------------------------------- norms & sums
 
 
@@ -538,21 +761,6 @@ def _use_ghost(a, g):
     if t is None or d is None or p is None:
         return True
     return t * t <= d * p
-
-
-def _outer_sq_norms(a, g):
-    if _use_ghost(a, g):
-        aa = tf.einsum("btd,bsd->bts", a, a)
-        gg = tf.einsum("btp,bsp->bts", g, g)
-        return tf.reduce_sum(aa * gg, axis=[1, 2]), None
-    per = tf.einsum("btd,btp->bdp", a, g)
-    return tf.reduce_sum(tf.square(per), axis=[1, 2]), per
-
-
-def _embedding_sq_norms(ids, g):
-    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
-    gg = tf.einsum("btd,bsd->bts", g, g)
-    return tf.reduce_sum(same * gg, axis=[1, 2])
 
 
 #: per-example gradients of at most this many entries per example may be materialised for
@@ -578,31 +786,52 @@ class _VarNorm:
     """How one variable's per-example squared norms, JL projections and weighted sum are
     computed from its recorded factors.
 
-    With ``exact_norms=False`` (the JL strategy) the exact norms are never formed: only
-    ``project`` and ``weighted_sum`` are used.
+    Factors are in float32 (float64 for float64 models). With ``exact_norms`` it holds
+    ``sq`` (B,) float64, the squared norms, and ``bound`` (B,) float64, an upper bound of the
+    norm of what ``weighted_sum`` adds for example i per unit of ``w_i`` (rounding included).
+    With ``exact_norms=False`` (the JL strategy) they are never formed: only ``project`` and
+    ``weighted_sum`` are used. ``drop_non_finite``: ``weighted_sum`` ignores the factors of
+    examples of weight 0, even inf or NaN ones (float16 backward passes can overflow).
     """
 
-    def __init__(self, variable, terms, dz_of, exact_norms=True, num_projections=1):
+    def __init__(self, variable, terms, dz_of, exact_norms=True, num_projections=1,
+                 drop_non_finite=False):
         self.variable = variable
+        self.drop_non_finite = drop_non_finite
         kinds = {type(t) for t in terms}
         self.kind = None
         self.per = None
         self.sq = None
+        self.bound = None
+        self.wide = None  # (B,) bool: examples whose weighted sum is formed in float64
         if kinds == {OuterTerm}:
             fac = [t.factors(dz_of(t)) for t in terms]
             self.a = tf.concat([f[0] for f in fac], axis=1) if len(fac) > 1 else fac[0][0]
             self.g = tf.concat([f[1] for f in fac], axis=1) if len(fac) > 1 else fac[0][1]
-            if exact_norms:
-                self.sq, self.per = _outer_sq_norms(self.a, self.g)
-            elif _materialise_for_projection(self.a, self.g, num_projections):
+            if exact_norms and _use_ghost(self.a, self.g):
+                self.sq, upper, l1 = _gram_norms(self.a, self.g)
+                # The weighted sum contracts over t in one product: its rounding for example
+                # i is at most gamma_{T+1} w_i l1_i (products w_i a_t and (w_i a_t) g_t, T-1
+                # additions), of which 2u w_i ||g_i|| is the final products' share.
+                norm, steps = tf.sqrt(upper), tf.shape(self.a)[1] + 1
+                u = unit_roundoff(self.a.dtype)
+                slack = tf.maximum(_gamma(steps, self.a.dtype) * l1 - 2.0 * u * norm, 0.0)
+                if self.a.dtype != tf.float64:
+                    self.wide = _ill_conditioned(norm, slack)
+                    # ... in float64 then (rounded once to float32: the products' share).
+                    slack = tf.where(self.wide, _gamma(steps, tf.float64) * l1, slack)
+                self.bound = norm + slack
+            elif exact_norms or _materialise_for_projection(self.a, self.g, num_projections):
                 self.per = tf.einsum("btd,btp->bdp", self.a, self.g)
+                if exact_norms:
+                    self.sq, self.bound = _materialised_norms(self.per)
             self.kind = "outer"
         elif kinds == {EmbeddingTerm}:
             fac = [t.factors(dz_of(t)) for t in terms]
             self.ids = tf.concat([f[0] for f in fac], axis=1)
             self.g = tf.concat([f[1] for f in fac], axis=1)
             if exact_norms:
-                self.sq = _embedding_sq_norms(self.ids, self.g)
+                self.sq, self.bound, self.wide = _embedding_norms(self.ids, self.g)
             self.kind = "embedding"
         else:
             per = None
@@ -619,7 +848,7 @@ class _VarNorm:
                 per = p if per is None else per + p
             self.per = per
             if exact_norms:
-                self.sq = tf.reduce_sum(tf.square(per), axis=1)
+                self.sq, self.bound = _materialised_norms(per)
             self.kind = "direct"
 
     def project(self, directions):
@@ -645,27 +874,52 @@ class _VarNorm:
         raise AssertionError(self.kind)
 
     def weighted_sum(self, w):
-        """``sum_i w_i g_i`` in the variable's shape."""
+        """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
+
+        ``w`` is cast to that dtype, never to a lower-precision compute dtype: a factor
+        rounded up would let a clipped example exceed the clipping norm.
+        """
         shape = self.variable.shape
         if self.per is not None:
-            wp = tf.cast(w, self.per.dtype)
-            flat = tf.tensordot(wp, tf.reshape(self.per, [tf.shape(self.per)[0], -1]), axes=1)
+            flat = weighted_per_example_sum(
+                w, tf.reshape(self.per, [tf.shape(self.per)[0], -1]), self.drop_non_finite)
             return tf.reshape(flat, shape)
+        g = _drop(self.g, w) if self.drop_non_finite else self.g
+        wf = tf.cast(w, g.dtype)
+        if self.wide is not None:
+            # Ill-conditioned examples are summed in float64 below, the others here.
+            wide = tf.where(self.wide)
+            w64 = tf.cast(tf.gather_nd(w, wide), tf.float64)[:, None, None]
+            wf = tf.where(self.wide, tf.zeros_like(wf), wf)
         if self.kind == "outer":
-            aw = self.a * tf.cast(w, self.a.dtype)[:, None, None]
-            return tf.reshape(tf.einsum("btd,btp->dp", aw, self.g), shape)
+            a = _drop(self.a, w) if self.drop_non_finite else self.a
+            out = tf.einsum("btd,btp->dp", a * wf[:, None, None], g)
+            if self.wide is not None:
+                out += tf.cast(tf.einsum("btd,btp->dp",
+                                         tf.cast(tf.gather_nd(a, wide), tf.float64) * w64,
+                                         tf.cast(tf.gather_nd(g, wide), tf.float64)), out.dtype)
+            return tf.reshape(out, shape)
         if self.kind == "embedding":
-            gw = self.g * tf.cast(w, self.g.dtype)[:, None, None]
-            return tf.math.unsorted_segment_sum(
-                tf.reshape(gw, [-1, shape[-1]]), tf.reshape(self.ids, [-1]), shape[0])
+            rows_out, width = shape[0], shape[-1]
+            out = tf.math.unsorted_segment_sum(tf.reshape(g * wf[:, None, None], [-1, width]),
+                                               tf.reshape(self.ids, [-1]), rows_out)
+            if self.wide is not None:
+                ids, pos = tf.unique(tf.reshape(tf.gather_nd(self.ids, wide), [-1]))
+                part = tf.math.unsorted_segment_sum(
+                    tf.reshape(tf.cast(tf.gather_nd(g, wide), tf.float64) * w64, [-1, width]),
+                    pos, tf.shape(ids)[0])
+                out = tf.tensor_scatter_nd_add(out, ids[:, None], tf.cast(part, out.dtype))
+            return out
         raise AssertionError(self.kind)
 
 
 def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss, exact_norms=True,
-                num_projections=1):
+                num_projections=1, drop_non_finite=False):
     """Per-variable norm objects for every recorded variable whose output gradient exists.
 
-    ``exact_norms=False`` skips the exact norms (JL projections are taken instead).
+    ``exact_norms=False`` skips the exact norms (JL projections are taken instead). Output
+    gradients reach the rules in float32 (float64 for float64 models) whatever the compute
+    dtype. ``drop_non_finite``: see ``_VarNorm``.
 
     Returns (dict var_id -> _VarNorm, list of variables left uncovered because their
     recorded outputs got no gradient, e.g. used inside a loop the tape cannot see into).
@@ -676,6 +930,11 @@ def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss, exact_norms=Tr
     dzs = tape.gradient(total_loss, zs, unconnected_gradients=tf.UnconnectedGradients.NONE)
     dz_map = {id(z): dz for z, dz in zip(zs, dzs)}
     out, uncovered = {}, []
+
+    def dz_of(t):
+        dz = tf.convert_to_tensor(dz_map[id(t.z)])
+        return tf.cast(dz, accumulation_dtype(dz.dtype))
+
     for key, terms in rec.terms.items():
         var = rec.variables[key]
         if key in rec.outside_reads:
@@ -687,6 +946,5 @@ def ghost_norms(rec: Recorder, tape: tf.GradientTape, total_loss, exact_norms=Tr
             # cannot see (a loop body). Leave it to the exact vectorized fallback.
             uncovered.append(var)
             continue
-        out[key] = _VarNorm(var, terms, lambda t: tf.convert_to_tensor(dz_map[id(t.z)]),
-                            exact_norms, num_projections)
+        out[key] = _VarNorm(var, terms, dz_of, exact_norms, num_projections, drop_non_finite)
     return out, uncovered

@@ -176,7 +176,8 @@ def _gru(layer, rec, sequences, initial_state=None, mask=None, training=False):
     if reset_after:
         def d_inner(dz):  # gradient at h_{t-1} U + b_rec
             dz_z, dz_r, dz_h = split(dz)
-            return tf.concat([dz_z, dz_r, rs * dz_h], axis=-1)
+            # dz arrives in float32 also under mixed precision (see ghost.ghost_norms).
+            return tf.concat([dz_z, dz_r, tf.cast(rs, dz.dtype) * dz_h], axis=-1)
 
         rec.add(cell.recurrent_kernel, ghost.OuterTerm(zx, lambda: _previous(hs), d_inner))
         if cell.use_bias:

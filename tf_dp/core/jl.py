@@ -60,8 +60,10 @@ def _seed_generators(model):
 
 
 def jl_norms(projections):
-    """``M_i = sqrt(mean_j P_ij^2)`` from the (r, B) matrix of projections."""
-    return tf.sqrt(tf.reduce_mean(tf.square(projections), axis=0))
+    """``M_i = sqrt(mean_j P_ij^2)`` from the (r, B) matrix of projections, in float64
+    (float32 squares overflow above 1.8e19; the clip factors are formed from these)."""
+    p = tf.cast(projections, tf.float64)
+    return tf.sqrt(tf.reduce_mean(tf.square(p), axis=0))
 
 
 def forward_projections(model, per_example_loss, x, y, sample_weight, variables, dirs,

@@ -29,18 +29,49 @@ class ClippedSum:
     norms: tf.Tensor  # per-example gradient norms (B,) before clipping
 
 
-def clip_factors(norms, l2_norm_clip):
-    """``w_i = C / max(||g_i||, C)``, i.e. ``min(1, C/||g_i||)`` and 1 for a zero gradient.
+def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error"):
+    """``w_i = C / max(n_i, C)``, i.e. ``min(1, C/n_i)`` and 1 for a zero gradient.
 
-    Non-finite norms stop training with a clear error instead of reaching the weights.
+    ``norms`` must bound the norm of what the weighted sums add for each example per unit
+    weight, the rounding of those sums included (``ghost.combined_norms`` gives such bounds)
+    except that of their final products by ``w_i``. The factors are formed in float64 and
+    returned in ``dtype``, the dtype in which the sums multiply by them (float32; float64 for
+    float64 models), never in a lower-precision compute dtype (bfloat16 would round a factor
+    up by up to 2^-9). So every example's contribution to the tensors actually summed is at
+    most ``C (1 + 3u)`` (``w_i``'s rounding and two final products; u = 2^-24 in float32).
+
+    ``non_finite``: "error" (non-finite norms stop training with a clear error instead of
+    reaching the weights) or "zero" (such an example gets factor 0 and contributes nothing:
+    a function of that example alone, so every example's contribution stays within C).
     """
-    norms = tf.debugging.assert_all_finite(
-        norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs and "
-               "learning rate); the step was not applied.")
-    if l2_norm_clip == float("inf"):
-        return tf.stop_gradient(tf.ones_like(norms))  # no clipping (a non-private reference)
-    c = tf.cast(l2_norm_clip, norms.dtype)
-    return tf.stop_gradient(c / tf.maximum(norms, c))
+    if non_finite not in ("error", "zero"):
+        raise ValueError(f"`non_finite` must be 'error' or 'zero', got {non_finite!r}.")
+    norms = tf.cast(norms, tf.float64)
+    if non_finite == "error":
+        norms = tf.debugging.assert_all_finite(
+            norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs "
+                   "and learning rate); the step was not applied.")
+    if isinstance(l2_norm_clip, (int, float)) and l2_norm_clip == float("inf"):
+        w64 = tf.ones_like(norms)  # no clipping (a non-private reference)
+    else:
+        c = tf.cast(l2_norm_clip, tf.float64)
+        w64 = c / tf.maximum(norms, c)
+    if non_finite == "zero":
+        w64 = tf.where(tf.math.is_finite(norms), w64, tf.zeros_like(w64))
+    return tf.stop_gradient(tf.cast(w64, dtype))
+
+
+def _non_finite_policy(model):
+    """How ``clip_factors`` treats non-finite per-example gradients of ``model``.
+
+    "zero" when a layer computes in float16, whose range (65504) makes a per-example overflow
+    of the backward pass an expected numeric event that must not stop (or, as dynamic loss
+    scaling would, skip) the step depending on the data; "error" otherwise.
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if getattr(layer, "compute_dtype", None) == "float16":
+            return "zero"
+    return "error"
 
 
 def batch_size_of(x):
@@ -88,35 +119,32 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
         return _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                  variables)
 
+    non_finite = _non_finite_policy(model)
     by_id, losses, y_pred = _ghost_pass(model, x, y, sample_weight, per_example_loss,
-                                        variables)
+                                        variables, drop_non_finite=non_finite == "zero")
     fallback = [v for v in variables if id(v) not in by_id]
     if fallback and norm_strategy == "ghost":
         names = sorted({v.path.rsplit("/", 1)[0] for v in fallback})
         raise ValueError(
             f"norm_strategy='ghost' but these layers have no ghost-norm formula: {names}. "
             "Use norm_strategy='auto' (vectorized fallback for them).")
-    sq = tf.zeros_like(losses)
-    for obj in by_id.values():
-        sq = sq + tf.cast(obj.sq, sq.dtype)
     fb_grads = []
     if fallback:
         fb_grads, _, _ = vmap.per_example_gradients(model, per_example_loss, x, y,
                                                     sample_weight, fallback)
-        for g in fb_grads:
-            sq = sq + tf.cast(tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])),
-                                            axis=1), sq.dtype)
-    norms = tf.sqrt(sq)
-    w = clip_factors(norms, l2_norm_clip)
+    # Norms and clip factors in float64/float32 from bounds of what the sums below add.
+    norms, bounds = ghost.combined_norms(list(by_id.values()), fb_grads, losses)
+    w = clip_factors(bounds, l2_norm_clip, ghost.accumulation_dtype(losses.dtype), non_finite)
     fb_by_id = {id(v): g for v, g in zip(fallback, fb_grads)}
     grads = []
     for v in variables:
         if id(v) in by_id:
             grads.append(tf.cast(by_id[id(v)].weighted_sum(w), v.dtype))
         else:
-            g = fb_by_id[id(v)]
-            grads.append(tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype))
-    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+            g = ghost.weighted_per_example_sum(w, fb_by_id[id(v)], non_finite == "zero")
+            grads.append(tf.cast(g, v.dtype))
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
+                      norms=tf.cast(norms, losses.dtype))
 
 
 def _handles(variables):
@@ -145,13 +173,13 @@ def _ghost_pass(model, x, y, sample_weight, per_example_loss, variables, **norm_
 def _clipped_sum_vmap(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables):
     per_ex, losses, y_pred = vmap.per_example_gradients(model, per_example_loss, x, y,
                                                         sample_weight, variables)
-    sq = tf.add_n([tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
-                   for g in per_ex])
-    norms = tf.sqrt(sq)
-    w = clip_factors(norms, l2_norm_clip)
-    grads = [tf.cast(tf.tensordot(tf.cast(w, g.dtype), g, axes=1), v.dtype)
+    non_finite = _non_finite_policy(model)
+    norms, bounds = ghost.combined_norms([], per_ex, losses)
+    w = clip_factors(bounds, l2_norm_clip, ghost.accumulation_dtype(losses.dtype), non_finite)
+    grads = [tf.cast(ghost.weighted_per_example_sum(w, g, non_finite == "zero"), v.dtype)
              for g, v in zip(per_ex, variables)]
-    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
+                      norms=tf.cast(norms, losses.dtype))
 
 
 def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, variables,
@@ -167,15 +195,17 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
     if seed is None:
         raise ValueError("norm_strategy='jl' needs a `seed` for its projections.")
     replay = jl.save_random_state(model)
+    non_finite = _non_finite_policy(model)
     by_id, losses, y_pred = _ghost_pass(model, x, y, sample_weight, per_example_loss,
                                         variables, exact_norms=False,
-                                        num_projections=num_projections)
+                                        num_projections=num_projections,
+                                        drop_non_finite=non_finite == "zero")
     dirs = jl.directions(variables, num_projections, seed)
-    projections = tf.zeros([num_projections, tf.shape(losses)[0]], losses.dtype)
+    projections = tf.zeros([num_projections, tf.shape(losses)[0]], tf.float64)
     for k, v in enumerate(variables):
         if id(v) in by_id:
             stacked = tf.stack([dirs[j][k] for j in range(num_projections)])
-            projections += tf.cast(by_id[id(v)].project(stacked), losses.dtype)
+            projections += tf.cast(by_id[id(v)].project(stacked), tf.float64)
     fallback = [k for k, v in enumerate(variables) if id(v) not in by_id]
     fb_tape = None
     if fallback:
@@ -186,9 +216,9 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
         fb_losses, _, fb_proj = jl.forward_projections(
             model, per_example_loss, x, y, sample_weight, fb_vars,
             [[dirs[j][k] for k in fallback] for j in range(num_projections)], fb_tape, replay)
-        projections += tf.cast(fb_proj, losses.dtype)
+        projections += tf.cast(fb_proj, tf.float64)
     norms = jl.jl_norms(projections)
-    w = clip_factors(norms, l2_norm_clip)
+    w = clip_factors(norms, l2_norm_clip, ghost.accumulation_dtype(losses.dtype), non_finite)
     fb_grads = {}
     if fallback:
         with fb_tape:
@@ -201,7 +231,8 @@ def _clipped_sum_jl(model, x, y, sample_weight, per_example_loss, l2_norm_clip, 
     for v in variables:
         g = by_id[id(v)].weighted_sum(w) if id(v) in by_id else fb_grads[id(v)]
         grads.append(tf.cast(tf.convert_to_tensor(g), v.dtype))
-    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred, norms=norms)
+    return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
+                      norms=tf.cast(norms, losses.dtype))
 
 
 def gaussian_noise(shapes_dtypes, stddev, seed):
