@@ -295,6 +295,13 @@ PER_EXAMPLE = {
         L.Bidirectional(L.LSTM(4, dropout=0.3, return_sequences=True)),
         L.Bidirectional(L.GRU(3)), L.Dense(3), inp=(7,), dtype="int32"), TOKENS),
     "transposed_noise": (lambda: _mlp([TransposedNoise()]), X),
+    "augmentation": (lambda: _seq(
+        L.RandomFlip(), L.RandomRotation(0.2), L.RandomZoom(0.2), L.RandomContrast(0.3),
+        L.Conv2D(2, 3), L.GlobalAveragePooling2D(), L.Dense(3), inp=(6, 6, 4)),
+        np.abs(IMAGES)),
+    "time_distributed": (lambda: _seq(L.TimeDistributed(L.Dense(5)), L.Dropout(0.3),
+                                      L.Conv1D(4, 3), L.GlobalMaxPooling1D(), L.Dense(3),
+                                      inp=(7, 4)), SEQ),
     "reparametrized": (lambda: reparametrize(_mlp([L.Dropout(0.2), L.Dense(8)]), rank=2), X),
 }
 
@@ -307,6 +314,18 @@ def test_per_example_models_pass(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither a refusal nor an "unchecked" warning
         check_per_example_independence(model, x, Y, None, XENT, variables=variables)
+
+
+def test_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        honest = _mlp([L.Dense(16, activation="tanh")])
+        mixing = _mlp([BatchMean(name="batch_mean")])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    check_per_example_independence(honest, X, Y, None, XENT)
+    with pytest.raises(ValueError, match="'batch_mean'"):
+        check_per_example_independence(mixing, X, Y, None, XENT)
 
 
 def test_attention_mixes_positions_not_examples():
