@@ -23,6 +23,7 @@ import scipy.stats
 import tensorflow as tf
 
 from tf_dp.core import build_per_example_loss, clipped_sum, gaussian_noise
+from tf_dp.core.randomness import seeded_draw  # noqa: E402
 from tf_dp.data import PoissonSampler
 from tf_dp.keras import make_private
 from tf_dp.optimizers import DPSGD
@@ -227,7 +228,7 @@ def test_apply_private_is_one_logical_step_whatever_the_accumulation(k):
         assert int(opt.iterations) == step + 1
         _check_gaussian(update, sigma * clip / expected, f"step {step}")
         (noise,) = gaussian_noise([((150, 150), tf.float32)], sigma * clip,
-                                  tf.constant([seed, step], tf.int64))
+                                  seeded_draw(seed, "noise", step))
         np.testing.assert_allclose(update, -noise.numpy() / expected, rtol=1e-5, atol=1e-7)
         np.testing.assert_array_equal(update, _zero_step(ref, ref_variables, expected)[0])
 
@@ -323,7 +324,7 @@ def test_fit_with_accumulation_adds_noise_once_per_logical_step(use_sampler):
     shapes = [(v.shape, tf.float32) for v in model.trainable_variables]
     for step, (update, size) in enumerate(zip(updates, sizes)):
         _check_gaussian(update, sigma * clip / expected, f"step {step} (realised size {size})")
-        noise = gaussian_noise(shapes, sigma * clip, tf.constant([seed, step], tf.int64))
+        noise = gaussian_noise(shapes, sigma * clip, seeded_draw(seed, "noise", step))
         want = np.concatenate([-z.numpy().ravel() / expected for z in noise])
         np.testing.assert_allclose(update, want, rtol=1e-5, atol=1e-7)
 

@@ -98,6 +98,7 @@ def test_sampling_probability_one_takes_everything():
 # ------------------------------------------------------------------ reproducibility
 
 
+@pytest.mark.filterwarnings("ignore:tf_dp. PoissonSampler was given")
 def test_same_seed_same_batches_other_seed_or_step_other_batches():
     x, y = _ids(50)
     a = _batches(PoissonSampler(x, y, sampling_probability=0.3, seed=5), 6)
@@ -108,12 +109,12 @@ def test_same_seed_same_batches_other_seed_or_step_other_batches():
     assert any(len(u) != len(v) or np.any(u != v) for u, v in zip(a, c))
     distinct = {tuple(u) for u in a}
     assert len(distinct) == len(a), "different steps must draw different batches"
-    # Iterating the same dataset twice replays it (a restart reproduces the run).
+    # Iterating the same dataset twice never replays a sample (the accountant composes the
+    # two passes as independent samples), even with a debugging seed.
     ds = PoissonSampler(x, y, sampling_probability=0.3, seed=5).dataset(num_steps=3)
     first = [e[0].numpy() for e in ds]
     second = [e[0].numpy() for e in ds]
-    for u, v in zip(first, second):
-        np.testing.assert_array_equal(u, v)
+    assert all(len(u) != len(v) or np.any(u != v) for u, v in zip(first, second))
 
 
 def test_unseeded_samplers_differ():

@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tf_dp.core import gaussian_noise  # noqa: E402
+from tf_dp.core.randomness import seeded_draw  # noqa: E402
 from tf_dp.keras import make_private  # noqa: E402
 from tf_dp.optimizers import DPSGD  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_mirrored_fixed_batches_match_one_device(request, k):
     ds = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
 
     def fit(model):
-        model.fit(ds(), epochs=2, verbose=0)
+        model.fit(ds(), epochs=2, verbose=0, dataset_size=len(x))
 
     single = _train(None, opt_fn, fit)
     mirrored = _train(_strategy(), opt_fn, fit)
@@ -154,16 +155,32 @@ def test_mirrored_poisson_sampling_matches_one_device(request, k):
         return
     x, y = _data()
     opt_fn = lambda kk=k: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
-                                seed=7, gradient_accumulation_steps=kk)
+                                gradient_accumulation_steps=kk)
+    # The same four Poisson batches (expected logical size 8, q = 1/4) for every run: the
+    # sampler's stream never repeats a draw, and a distributed input pipeline draws (and
+    # discards) prefetched batches in another order than a one-device one, so the batches
+    # are drawn once here and declared to fit() as Poisson samples at q = 1/4.
+    from tf_dp.data import PoissonSampler
+
+    picks = [b[0].numpy() for b in PoissonSampler(np.arange(len(x)),
+                                                   sampling_probability=0.25).dataset(4)]
+    assert len({len(p) for p in picks}) > 1, picks  # realised sizes vary; the divisor must not
+    ragged = tf.ragged.constant([p.tolist() for p in picks], dtype=tf.int64)
 
     def fit_with(micro):
-        # Poisson batches of expected logical size micro * k = 8 (q = 1/4: 4 logical steps),
-        # drawn from the optimizer's seed.
-        return lambda model: model.fit(x, y, batch_size=micro, epochs=1, verbose=0)
+        def fit(model):
+            ds = tf.data.Dataset.from_tensor_slices(ragged).map(
+                lambda idx: (tf.gather(x, idx), tf.gather(y, idx)))
+            model.fit(ds.repeat(), epochs=1, steps_per_epoch=4, verbose=0, dataset_size=len(x),
+                      sampling_probability=0.25)
+        return fit
 
     single = _train(None, opt_fn, fit_with(8 // k))
     mirrored = _train(_strategy(), opt_fn, fit_with(8 // k))
     assert _steps(mirrored) == _steps(single) == 4
+    # The accountant saw each global step once, at the declared q (not once per replica).
+    assert mirrored.accountant.steps == single.accountant.steps == 4
+    assert [p.sampling_probability for p in mirrored.accountant.phases] == [0.25]
     for got, want in zip(mirrored.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     if k > 1:
@@ -194,8 +211,9 @@ def test_mirrored_noise_is_added_once_per_global_step(request, k):
                                       gradient_accumulation_steps=k), loss=_zero_loss)
     # One logical batch of k * 8 examples: k * 4 per replica, in k micro-batches of 4 each.
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * k)
-    model.fit(ds, epochs=1, verbose=0)
+    model.fit(ds, epochs=1, verbose=0, dataset_size=batch * k)
     assert _steps(model) == 1
+    assert model.accountant.steps == 1  # recorded once, not once per replica
     update = np.concatenate([w.ravel() for w in model.get_weights()])
 
     # Zero gradients: the update is the noise alone, divided by the logical batch size k * 8:
@@ -207,7 +225,7 @@ def test_mirrored_noise_is_added_once_per_global_step(request, k):
     assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std
     assert abs(update.mean()) < 5 * std / math.sqrt(n)
     noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
-                           sigma * clip, tf.constant([seed, 0], tf.int64))
+                           sigma * clip, seeded_draw(seed, "noise", 0))
     for w, z in zip(model.get_weights(), noise):
         np.testing.assert_allclose(w, -z.numpy() / (k * batch), rtol=1e-5, atol=1e-7)
 

@@ -49,16 +49,16 @@ def test_accumulation_records_logical_steps_at_the_logical_rate():
     np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.2, 0.1, 10, 1e-5), rtol=1e-6)
 
 
-def test_target_epsilon_stops_before_the_step_that_would_exceed_it(capsys):
+def test_target_epsilon_stops_before_the_step_that_would_exceed_it(caplog):
     x, y = _data()
     target = compute_epsilon(1.0, 0.1, 7, 1e-5) * 1.0001  # 7 steps fit, the 8th would not
     assert compute_epsilon(1.0, 0.1, 8, 1e-5) > target
     model = _model(target_epsilon=target)
     model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0, learning_rate=0.05, seed=0), loss="mse")
-    model.fit(x, y, batch_size=40, epochs=5, verbose=0)
+    model.fit(x, y, batch_size=40, epochs=5, verbose=2)
     assert int(model.optimizer.iterations) == 7
     assert model.epsilon() <= target
-    assert "would exceed the target epsilon" in capsys.readouterr().out
+    assert "would exceed the target epsilon" in caplog.text
     # The budget is spent: a second fit does not train.
     model.fit(x, y, batch_size=40, epochs=1, verbose=0)
     assert int(model.optimizer.iterations) == 7
@@ -78,7 +78,7 @@ def test_saved_model_carries_the_spent_budget(tmp_path):
     np.testing.assert_allclose(loaded.epsilon(), compute_epsilon(1.1, 0.1, 20, 1e-6), rtol=1e-6)
 
 
-def test_jl_steps_are_recorded_with_their_projections(capsys):
+def test_jl_steps_are_recorded_with_their_projections(caplog):
     x, y = _data()
     model = _model()
     model.compile(optimizer=tf_dp.DPSGDJL(1.0, 1.0, num_projections=20, seed=0), loss="mse")
@@ -93,7 +93,7 @@ def test_jl_steps_are_recorded_with_their_projections(capsys):
     np.testing.assert_allclose(hist.history["epsilon_exact_clipping"], [exact], rtol=1e-6)
     np.testing.assert_allclose(model.epsilon(exact_clipping=True), exact, rtol=1e-6)
     if jl_eps > 1.5 * exact:
-        assert "exact clipping at the same sigma" in capsys.readouterr().out
+        assert "exact clipping at the same sigma" in caplog.text
 
 
 def test_make_private_rejects_bad_budget_arguments():

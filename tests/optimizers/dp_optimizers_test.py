@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dp.core import gaussian_noise
+from tf_dp.core.randomness import seeded_draw  # noqa: E402
 from tf_dp.keras import make_private
 from tf_dp.optimizers import DPSGD, DPAdam, DPAdamW
 
@@ -137,7 +138,7 @@ def test_dpsgd_noisy_steps_match_a_hand_computation():
             total = [t + factor * gi for t, gi in zip(total, g)]
         # DPOptimizerMixin.apply_private seeds the noise with [seed, logical step].
         noise = gaussian_noise([(v.shape, tf.float32) for v in variables], sigma * clip,
-                               tf.constant([seed, step], tf.int64))
+                               seeded_draw(seed, "noise", step))
         for v, t, z in zip(variables, total, noise):
             v.assign(v.numpy() - lr * (t + z.numpy()) / n)
 

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import math
-import os
+import weakref
 
 import numpy as np
 import tensorflow as tf
+
+from tf_dp.core import randomness
+
+# Datasets made by PoissonSampler.dataset(), mapped to their sampler: fit() recognises them
+# (and datasets derived from them by per-batch transformations) and takes q from here, never
+# from a cardinality.
+_SAMPLED = weakref.WeakKeyDictionary()
+
+# Transformations after which every element is still one Poisson sample of the data (as long
+# as a map acts on each example of the batch separately: see docs/privacy.md).
+_KEEPS_SAMPLING = ("MapDataset", "ParallelMapDataset", "PrefetchDataset", "TakeDataset",
+                   "_OptionsDataset", "OptionsDataset", "RepeatDataset", "_PrefetchDataset",
+                   "_MapDataset", "_ParallelMapDataset", "_TakeDataset", "_RepeatDataset")
 
 
 class PoissonSampler:
@@ -26,7 +39,10 @@ class PoissonSampler:
       steps_per_epoch: logical steps per epoch; default round(1/q).
       pad_to: optional static (logical) batch size: batches are padded to it with weight-0
         rows; a sample larger than it raises an error.
-      seed: int seed; None draws a secret one from the OS.
+      seed: debugging only. None (default): which examples are sampled is drawn from fresh
+        OS entropy, never saved or replayed. An int makes the samples a public function of
+        the seed, which voids the amplification by sampling the accountant counts (a warning
+        says so).
 
     Reference: Abadi et al. 2016 and Mironov, Talwar, Zhang 2019 (sampled Gaussian
     mechanism): the accounting assumes exactly this sampling.
@@ -63,7 +79,15 @@ class PoissonSampler:
         self.sampling_probability = float(sampling_probability)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
         self.pad_to = pad_to
-        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+        self.seed = None if seed is None else int(seed)
+        if seed is not None:
+            randomness.warn_seeded("PoissonSampler", seed)
+        # Every logical batch takes a fresh seed from this stream (a counter that only goes
+        # forward), so iterating a dataset twice, or calling dataset() twice, never repeats a
+        # sample.
+        self._stream = randomness.SecretStream("poisson", seed)
 
     @property
     def expected_batch_size(self) -> float:
@@ -75,16 +99,51 @@ class PoissonSampler:
         n, q = self.dataset_size, self.sampling_probability
         data = tf.nest.map_structure(lambda a: None if a is None else tf.constant(np.asarray(a)),
                                      (self.x, self.y, self.sample_weight))
-        seed, pad_to = self.seed, self.pad_to
+        stream, pad_to = self._stream, self.pad_to
 
         def logical(step):
-            u = tf.random.stateless_uniform([n], seed=tf.stack([tf.cast(seed, tf.int64), step]))
+            del step
+            u = tf.random.stateless_uniform([n], seed=stream.next_seed())
             idx = tf.cast(tf.where(u < q)[:, 0], tf.int32)
             return _gather(data, idx, pad_to)
 
         steps = tf.data.Dataset.range(num_steps) if num_steps is not None else (
             tf.data.Dataset.range(2**62))
-        return steps.map(logical).prefetch(2)
+        # Sequential map: with a debugging seed the order of the draws is reproducible.
+        ds = steps.map(logical).prefetch(2)
+        _SAMPLED[ds] = self
+        return ds
+
+
+def sampler_of(dataset):
+    """The PoissonSampler a dataset was made by, through per-batch transformations (map,
+    prefetch, take, repeat, options), or None if it was not made by one.
+
+    Raises:
+      ValueError: if it was made by one but then transformed in a way that no longer keeps
+        each element a Poisson sample (batch/unbatch, shuffle across batches, cache — which
+        would replay samples —, filter, zip, concatenate, ...).
+    """
+    chain = []
+    node = dataset
+    while node is not None:
+        if node in _SAMPLED:
+            bad = [type(d).__name__ for d in chain if type(d).__name__ not in _KEEPS_SAMPLING]
+            if bad:
+                raise ValueError(
+                    "tf_dp: this dataset comes from a PoissonSampler but was then transformed "
+                    f"by {bad}, after which its batches are no longer the Poisson samples the "
+                    "accountant counts. Only per-batch map (acting on each example "
+                    "separately), prefetch, take and repeat keep the sampling; apply other "
+                    "transformations to the data before the sampler.")
+            return _SAMPLED[node]
+        chain.append(node)
+        try:
+            inputs = node._inputs()  # tf.data's own lineage of a transformed dataset
+        except Exception:  # noqa: BLE001 (a source dataset, or a type without lineage)
+            return None
+        node = inputs[0] if len(inputs) == 1 else None
+    return None
 
 
 def _gather(data, part, pad_to):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import warnings
 
 import keras
@@ -11,13 +14,18 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
 from tf_dp.core import private_step, reparam
-from tf_dp.keras.privacy_callback import PrivacyCallback
+from tf_dp.keras.privacy_callback import PrivacyCallback, max_additional_steps
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 _FIXED_BATCH_NOTE = (
-    "tf_dp: training on a dataset of fixed (shuffled) batches. The privacy accounting "
-    "assumes Poisson sampling; for a guarantee that matches it, pass arrays to fit() (Poisson "
-    "sampling is then done for you) or a tf_dp.data.PoissonSampler.")
+    "tf_dp: training on fixed (shuffled) batches, accounted as if they were Poisson samples "
+    "at q = batch / dataset size. That is outside the proven guarantee; pass arrays to fit() "
+    "(Poisson sampling is then done for you) or a tf_dp.data.PoissonSampler for a guarantee "
+    "that matches the accounting.")
+
+_LOG = logging.getLogger("tf_dp")
+
+_BUDGET_KEY = "tf_dp_privacy_budget"
 
 
 class DPTrainMixin:
@@ -26,7 +34,12 @@ class DPTrainMixin:
     ``compile`` requires a tf_dp DP optimizer. ``fit`` on arrays Poisson-samples each batch
     (each example independently with rate q = batch_size / N; the batch size is then an
     expected size) so that training matches the privacy accounting. ``train_step`` clips
-    each example's gradient, and the optimizer adds noise once per logical step.
+    each example's gradient, and the optimizer adds noise once per logical step and records
+    it; the model's accountant drains those records, so every applied step is accounted in
+    any loop (``fit``, ``train_on_batch``, a custom loop over ``train_step``).
+
+    The spent budget never goes down: it is saved with the model (config and weights files)
+    and restoring an older checkpoint into a model that has trained keeps the larger one.
     """
 
     #: delta at which ``epsilon`` is reported; set by ``make_private(model, delta=...)``.
@@ -36,22 +49,41 @@ class DPTrainMixin:
 
     # ------------------------------------------------------------------ privacy budget
 
+    def _dp_raw_accountants(self):
+        from tf_dp.accounting import PrivacyAccountant
+
+        if getattr(self, "_dp_accountant", None) is None:
+            self._dp_accountant = PrivacyAccountant()
+        if getattr(self, "_dp_exact_accountant", None) is None:
+            self._dp_exact_accountant = PrivacyAccountant()
+        if getattr(self, "_dp_lineage", None) is None:
+            # Identifies this model's training history across saves and restores.
+            self._dp_lineage = os.urandom(8).hex()
+        return self._dp_accountant, self._dp_exact_accountant
+
+    def _dp_drain(self):
+        """Moves the steps the optimizer applied since the last call into the accountants."""
+        accountant, exact = self._dp_raw_accountants()
+        opt = _dp_optimizer_of(getattr(self, "optimizer", None))
+        if opt is None:
+            return
+        for sigma, q, r, count in opt.drain_steps():
+            accountant.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r,
+                            count=count)
+            if r is not None:
+                # What exact clipping would have cost at the same sigma, q and steps.
+                exact.step(noise_multiplier=sigma, sampling_probability=q, count=count)
+
     @property
     def accountant(self):
         """The model's ``tf_dp.accounting.PrivacyAccountant`` (every private step so far)."""
-        if getattr(self, "_dp_accountant", None) is None:
-            from tf_dp.accounting import PrivacyAccountant
-
-            self._dp_accountant = PrivacyAccountant()
+        self._dp_drain()
         return self._dp_accountant
 
     @property
     def exact_clipping_accountant(self):
         """The steps of JL optimizers accounted as exact clipping, for comparison only."""
-        if getattr(self, "_dp_exact_accountant", None) is None:
-            from tf_dp.accounting import PrivacyAccountant
-
-            self._dp_exact_accountant = PrivacyAccountant()
+        self._dp_drain()
         return self._dp_exact_accountant
 
     def epsilon(self, delta: float = None, exact_clipping: bool = False) -> float:
@@ -72,13 +104,44 @@ class DPTrainMixin:
                           f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=2)
             return float(err.upper)
 
+    @property
+    def privacy_caveats(self):
+        """What, in this model's history, is outside the proven guarantee (list of str)."""
+        return sorted(getattr(self, "_dp_caveats", None) or ())
+
+    def _dp_caveat(self, text):
+        if getattr(self, "_dp_caveats", None) is None:
+            self._dp_caveats = set()
+        self._dp_caveats.add(text)
+
+    def privacy_report(self) -> dict:
+        """The spent budget and what it covers: epsilon at the model's delta, the steps
+        accounted per mechanism, and the caveats (e.g. a seeded optimizer, after which the
+        reported epsilon does not hold)."""
+        accountant = self.accountant
+        report = {"epsilon": self.epsilon(), "delta": self.privacy_delta,
+                  "steps": accountant.steps,
+                  "phases": accountant.get_config()["phases"],
+                  "caveats": self.privacy_caveats,
+                  "guarantee_holds": not any(c.startswith("SEEDED") for c in
+                                             self.privacy_caveats)}
+        if self._dp_exact_accountant.steps:
+            report["epsilon_exact_clipping"] = self.epsilon(exact_clipping=True)
+        return report
+
+    def _dp_budget_state(self):
+        accountant, exact = self._dp_raw_accountants()
+        return {"privacy_delta": self.privacy_delta,
+                "target_epsilon": self.target_epsilon,
+                "accountant": accountant.get_config(),
+                "exact_clipping_accountant": exact.get_config(),
+                "lineage": self._dp_lineage,
+                "caveats": self.privacy_caveats}
+
     def get_config(self):
+        self._dp_drain()
         config = super().get_config()
-        config["tf_dp"] = {"privacy_delta": self.privacy_delta,
-                           "target_epsilon": self.target_epsilon,
-                           "accountant": self.accountant.get_config(),
-                           "exact_clipping_accountant":
-                               self.exact_clipping_accountant.get_config()}
+        config["tf_dp"] = self._dp_budget_state()
         return config
 
     @classmethod
@@ -87,95 +150,245 @@ class DPTrainMixin:
         extra = config.pop("tf_dp", None)
         model = super().from_config(config, custom_objects=custom_objects)
         if extra:
-            from tf_dp.accounting import PrivacyAccountant
-
-            model.privacy_delta = extra["privacy_delta"]
-            model.target_epsilon = extra["target_epsilon"]
-            model._dp_accountant = PrivacyAccountant.from_config(extra["accountant"])
-            if extra.get("exact_clipping_accountant"):
-                model._dp_exact_accountant = PrivacyAccountant.from_config(
-                    extra["exact_clipping_accountant"])
+            model._dp_restore_budget(extra)
         return model
+
+    def _dp_restore_budget(self, extra):
+        from tf_dp.accounting import PrivacyAccountant
+
+        self.privacy_delta = extra["privacy_delta"]
+        self.target_epsilon = extra["target_epsilon"]
+        self._dp_accountant = PrivacyAccountant.from_config(extra["accountant"])
+        self._dp_exact_accountant = PrivacyAccountant.from_config(
+            extra.get("exact_clipping_accountant") or {})
+        self._dp_lineage = extra.get("lineage") or os.urandom(8).hex()
+        self._dp_caveats = set(extra.get("caveats") or ())
+
+    def save_own_variables(self, store):
+        """Saves the weights and, beside them, the spent budget (so ``save_weights`` /
+        ``BackupAndRestore`` / checkpoints carry it)."""
+        super().save_own_variables(store)
+        self._dp_drain()
+        blob = json.dumps(self._dp_budget_state()).encode()
+        store[_BUDGET_KEY] = np.frombuffer(blob, dtype=np.uint8)
+
+    def load_own_variables(self, store):
+        """Loads the weights; the spent budget becomes the larger of the model's own and the
+        file's (never smaller): see ``_merge_budget``."""
+        if _BUDGET_KEY in store:
+            saved = json.loads(bytes(np.asarray(store[_BUDGET_KEY], dtype=np.uint8)).decode())
+            self._dp_merge_budget(saved)
+            store = _StoreWithout(store, _BUDGET_KEY)
+        super().load_own_variables(store)
+
+    def _dp_merge_budget(self, saved):
+        """Nothing rewinds the spent budget.
+
+        Same history (lineage) as the model: keep whichever of the two records the other is
+        a prefix of (an older checkpoint restored into a model that trained further keeps
+        the model's record; a fresh model takes the file's). A model that has spent nothing
+        takes the file's record. Otherwise both histories contributed to what the model will
+        release: compose them (a warning says so).
+        """
+        from tf_dp.accounting import PrivacyAccountant
+
+        self._dp_drain()
+        mine, mine_exact = self._dp_raw_accountants()
+        theirs = PrivacyAccountant.from_config(saved["accountant"])
+        theirs_exact = PrivacyAccountant.from_config(saved.get("exact_clipping_accountant") or {})
+        caveats = set(saved.get("caveats") or ()) | set(self.privacy_caveats)
+        if mine.steps == 0 or (saved.get("lineage") == self._dp_lineage
+                               and _is_prefix(mine.phases, theirs.phases)):
+            self._dp_restore_budget({**saved, "privacy_delta": self.privacy_delta,
+                                     "target_epsilon": self.target_epsilon})
+        elif saved.get("lineage") == self._dp_lineage and _is_prefix(theirs.phases, mine.phases):
+            pass  # an older state of this very run: the model's record already covers it
+        else:
+            warnings.warn("tf_dp: loading weights trained in another run into a model that has "
+                          "already trained: both runs' steps are now accounted.", stacklevel=3)
+            for acc, other in ((mine, theirs), (mine_exact, theirs_exact)):
+                for p in other.phases:
+                    acc.step(noise_multiplier=p.noise_multiplier,
+                             sampling_probability=p.sampling_probability,
+                             num_projections=p.num_projections, count=p.count)
+        self._dp_caveats = caveats
 
     # ------------------------------------------------------------------ compile / fit
 
     def compile(self, optimizer=None, loss=None, loss_weights=None, **kwargs):
-        if optimizer is None or not isinstance(optimizer, DPOptimizerMixin):
+        if optimizer is None or _dp_optimizer_of(optimizer) is None:
             raise TypeError(
                 "A private model needs a tf_dp differentially private optimizer "
                 "(tf_dp.DPSGD, tf_dp.DPAdam, tf_dp.DPAdamW, ...), got `optimizer`="
                 f"{optimizer!r}. A plain optimizer would train without privacy.")
+        # Steps of a previous optimizer are accounted before it is replaced.
+        self._dp_drain()
         # XLA cannot compile every fallback (vectorized_map / map_fn); keep it opt-in.
         kwargs.setdefault("jit_compile", False)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
         names = getattr(self, "output_names", None)
         self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
+        if _dp_optimizer_of(optimizer).seeded:
+            self._dp_caveat(_SEEDED_CAVEAT)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
-            steps_per_epoch=None, poisson_sampling: bool = True, **kwargs):
+            steps_per_epoch=None, poisson_sampling: bool = True, dataset_size: int = None,
+            sampling_probability: float = None, **kwargs):
         """Keras ``fit`` with Poisson sampling for array inputs (see the class docstring).
 
-        Extra argument:
+        Extra arguments:
           poisson_sampling: for array inputs, sample each batch by Poisson sampling with rate
             q = batch_size / N (default True). False trains on shuffled fixed batches; the
             training output then notes that the accounting assumes Poisson sampling.
+          dataset_size: N, required for a ``tf.data.Dataset`` (or other iterable) that does
+            not come from a ``tf_dp.data.PoissonSampler``: q is never guessed from a
+            dataset's cardinality. Each element is then one logical batch; q = its size / N.
+          sampling_probability: with ``dataset_size``, declares that the dataset's batches
+            are Poisson samples at this rate (the expected batch is then q * N). tf_dp cannot
+            check this; the privacy report says so.
         """
-        from tf_dp.data.poisson import PoissonSampler
+        from tf_dp.data.poisson import PoissonSampler, sampler_of
 
-        opt = self.optimizer
-        if not isinstance(opt, DPOptimizerMixin):
+        opt = _dp_optimizer_of(getattr(self, "optimizer", None))
+        if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
+        self._dp_drain()
+        if opt.seeded:
+            self._dp_caveat(_SEEDED_CAVEAT)
+            warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
         k = opt.accumulation_steps
         sampler = x if isinstance(x, PoissonSampler) else None
+        data = None
+        if sampler is None and isinstance(x, tf.data.Dataset):
+            sampler = sampler_of(x)
+            data = x if sampler is not None else None
         if sampler is None and poisson_sampling and _is_array_like(x):
             if validation_split and validation_data is None:
                 (x, y, sample_weight), validation_data = _split_validation(
                     x, y, sample_weight, validation_split)
                 validation_split = 0.0
             # Keras semantics: `batch_size` is one micro-batch; a logical batch is k of them.
-            sampler = PoissonSampler(x, y, sample_weight=sample_weight,
-                                     expected_batch_size=(batch_size or 32) * k, seed=opt.seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a seeded optimizer already warned
+                sampler = PoissonSampler(x, y, sample_weight=sample_weight,
+                                         expected_batch_size=(batch_size or 32) * k,
+                                         seed=opt._next_sampler_seed())
         if sampler is not None:
-            self._dp_set_sampling(sampler.expected_batch_size, sampler.sampling_probability,
-                                  poisson=True)
-            privacy = PrivacyCallback(sampler.sampling_probability)
-            if self._dp_budget_spent(privacy):
-                return self.history if getattr(self, "history", None) else None
-            callbacks = [privacy] + list(callbacks or [])
-            return super().fit(sampler.dataset(), epochs=epochs, verbose=verbose, shuffle=False,
-                               callbacks=callbacks, validation_data=validation_data,
-                               steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch,
-                               **kwargs)
-        if _is_array_like(x):
-            # Keras semantics: `batch_size` (default 32) is one micro-batch; each Keras batch
-            # is one logical batch of k of them.
-            batch_size = (batch_size or 32) * k
-        self._dp_set_sampling(None, None, poisson=False)
-        warnings.warn(_FIXED_BATCH_NOTE, stacklevel=2)
-        print(_FIXED_BATCH_NOTE)
-        q = _fixed_batch_rate(x, batch_size, validation_split, kwargs.pop("dataset_size", None))
-        privacy = PrivacyCallback(q, assumes_poisson=False)
-        if self._dp_budget_spent(privacy):
-            return self.history if getattr(self, "history", None) else None
+            if sampler.seed is not None:
+                self._dp_caveat(_SEEDED_CAVEAT)
+            q, expected = sampler.sampling_probability, sampler.expected_batch_size
+            data = sampler.dataset() if data is None else data
+            fit_args = dict(x=data, shuffle=False,
+                            steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch)
+            poisson = True
+        else:
+            if _is_array_like(x):
+                # Keras semantics: `batch_size` (default 32) is one micro-batch; each Keras
+                # batch is one logical batch of k of them.
+                batch_size = (batch_size or 32) * k
+            q, expected, poisson = _fixed_batch_sampling(
+                x, batch_size, validation_split, dataset_size, sampling_probability)
+            if poisson:
+                self._dp_caveat("DECLARED_SAMPLING: fit() was told the batches are Poisson "
+                                f"samples at q = {q:g} (sampling_probability=); tf_dp did not "
+                                "draw them and cannot check it.")
+            else:
+                self._dp_caveat("FIXED_BATCHES: " + _FIXED_BATCH_NOTE[len("tf_dp: "):])
+                warnings.warn(_FIXED_BATCH_NOTE, UserWarning, stacklevel=2)
+            fit_args = dict(x=x, y=y, batch_size=batch_size, validation_split=validation_split,
+                            shuffle=shuffle, sample_weight=sample_weight,
+                            steps_per_epoch=steps_per_epoch)
+        budget = self._dp_remaining_steps(opt.mechanism(q))
+        if budget == 0:
+            self._dp_no_budget_message(opt.mechanism(q), verbose)
+            return _empty_history(self)
+        if budget is not None:
+            # Never more logical steps than the budget allows, whatever steps_per_execution:
+            # the data stream itself ends there.
+            if fit_args.get("validation_split") and validation_data is None:
+                (fit_args["x"], fit_args["y"], fit_args["sample_weight"]), validation_data = (
+                    _split_validation(fit_args["x"], fit_args["y"], fit_args["sample_weight"],
+                                      fit_args["validation_split"]))
+            fit_args["x"] = _limit_steps(fit_args, budget)
+            if not isinstance(fit_args["x"], tf.data.Dataset):
+                raise ValueError("`target_epsilon` needs array, PoissonSampler or tf.data input.")
+            for key in ("y", "sample_weight", "batch_size", "validation_split"):
+                fit_args.pop(key, None)
+        self._dp_set_sampling(expected, q, poisson=poisson)
+        privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
         callbacks = [privacy] + list(callbacks or [])
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                           callbacks=callbacks, validation_split=validation_split,
-                           validation_data=validation_data, shuffle=shuffle,
-                           sample_weight=sample_weight, steps_per_epoch=steps_per_epoch,
-                           **kwargs)
+        try:
+            return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
+                               validation_data=validation_data, **fit_args, **kwargs)
+        finally:
+            self._dp_drain()
 
-    def _dp_budget_spent(self, privacy):
-        if privacy.remaining_steps(self) == 0:
-            print(f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at delta "
-                  f"{self.privacy_delta:g}) is spent; not training.")
-            return True
-        return False
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """One private step on this batch, accounted with q = 1: tf_dp did not sample it, so
+        no amplification by sampling is claimed (the batch's size is treated as public)."""
+        opt = _dp_optimizer_of(getattr(self, "optimizer", None))
+        if opt is None:
+            raise TypeError("Call compile() with a tf_dp DP optimizer before train_on_batch().")
+        self._dp_drain()
+        if self._dp_remaining_steps(opt.mechanism(1.0)) == 0:
+            raise RuntimeError(
+                f"tf_dp: another step would exceed the target epsilon {self.target_epsilon:g} "
+                f"at delta {self.privacy_delta:g}; not training.")
+        self._dp_set_sampling(None, 1.0, poisson=False)
+        try:
+            return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                          class_weight=class_weight, return_dict=return_dict)
+        finally:
+            self._dp_drain()
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras peeks one distributed batch here and averages it over replicas, which fails
+        # when a Poisson batch does not split evenly (replicas hold 3 and 2 examples). The
+        # build needs only shapes and dtypes: the first replica's part serves.
+        if iterator is not None and getattr(self, "_distribute_strategy", None) is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(
+                    lambda v: (self.distribute_strategy.experimental_local_results(v)[0]
+                               if isinstance(v, tf.distribute.DistributedValues) else v),
+                    batch)
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _dp_remaining_steps(self, mechanism):
+        """Steps of ``mechanism`` left within ``target_epsilon`` (None: no target)."""
+        if self.target_epsilon is None:
+            return None
+        sigma, q, r = mechanism
+        return max_additional_steps(self.accountant, self.target_epsilon, self.privacy_delta,
+                                    dict(noise_multiplier=sigma, sampling_probability=q,
+                                         num_projections=r))
+
+    def _dp_no_budget_message(self, mechanism, verbose):
+        sigma, q, r = mechanism
+        if self.accountant.steps == 0:
+            from tf_dp.accounting import PrivacyAccountant
+
+            one = PrivacyAccountant().step(noise_multiplier=sigma, sampling_probability=q,
+                                           num_projections=r).epsilon(self.privacy_delta)
+            text = (f"tf_dp: cannot take even one step: a single step (sigma {sigma:g}, q "
+                    f"{q:g}{'' if r is None else f', r {r}'}) already costs epsilon {one:.4g} "
+                    f"at delta {self.privacy_delta:g}, above the target epsilon "
+                    f"{self.target_epsilon:g}. Nothing was trained or spent; raise the noise "
+                    "multiplier or lower the sampling rate.")
+        else:
+            text = (f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at "
+                    f"delta {self.privacy_delta:g}) is spent: epsilon {self.epsilon():.4g} "
+                    f"after {self.accountant.steps} steps; not training.")
+        warnings.warn(text, UserWarning, stacklevel=3)
 
     def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
         state = (expected_micro_batch_size, sampling_probability, poisson)
         if getattr(self, "_dp_sampling", None) != state:
-            # The expected batch size is baked into the traced step: retrace on change.
+            # q and the expected batch size are baked into the traced step: retrace on change.
             self.train_function = None
         self._dp_sampling = state
 
@@ -186,39 +399,42 @@ class DPTrainMixin:
 
         With ``gradient_accumulation_steps = k`` the batch is processed as k micro-batches in
         a sequential loop (only one micro-batch's activations live at a time); their clipped
-        sums are added up and the optimizer adds noise once.
+        sums are added up and the optimizer adds noise once and records the step with the q
+        the model was told (q = 1, no amplification, if it was told nothing).
         """
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        opt = self.optimizer
-        if not isinstance(opt, DPOptimizerMixin):
+        opt = _dp_optimizer_of(self.optimizer)
+        if opt is None:
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
         plan = reparam.gradient_plan(self)
         plan.update_carriers()  # RGP: carriers of this step, from the historical update
         variables = plan.privatized
         k = opt.accumulation_steps
+        # One secret draw of JL directions per logical step, shared by its micro-batches.
+        jl_seed = opt.next_jl_seed() if opt.num_projections is not None else None
         if k == 1:
-            grads = self._dp_micro_step(x, y, sample_weight, variables)
+            grads = self._dp_micro_step(x, y, sample_weight, variables, jl_seed)
         else:
-            grads = self._dp_accumulate(x, y, sample_weight, variables, k)
+            grads = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed)
         _refuse_data_dependent_losses(self)
-        expected, _, _ = getattr(self, "_dp_sampling", (None, None, False))
+        expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
-        opt.apply_private(grads, variables, expected, noise_masks=plan.noise_masks,
-                          to_trainable=plan.to_trainable,
+        opt.apply_private(grads, variables, expected, sampling_probability=q,
+                          noise_masks=plan.noise_masks, to_trainable=plan.to_trainable,
                           extra_gradients=_regularization_gradients(plan.trainable))
         return self.get_metrics_result()
 
-    def _dp_micro_step(self, x, y, sample_weight, variables):
-        opt = self.optimizer
+    def _dp_micro_step(self, x, y, sample_weight, variables, jl_seed=None):
+        opt = _dp_optimizer_of(self.optimizer)
         result = private_step.clipped_sum(
             self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip, variables=variables,
             norm_strategy=opt.norm_strategy, num_projections=opt.num_projections,
-            seed=opt.step_seed())
+            seed=jl_seed)
         self._dp_update_metrics(x, y, result, sample_weight)
         return result.grads
 
-    def _dp_accumulate(self, x, y, sample_weight, variables, k):
+    def _dp_accumulate(self, x, y, sample_weight, variables, k, jl_seed=None):
         n = tf.shape(tf.nest.flatten(x)[0])[0]
 
         def part(structure, j):
@@ -227,7 +443,7 @@ class DPTrainMixin:
 
         def body(j, *acc):
             grads = self._dp_micro_step(part(x, j), part(y, j), part(sample_weight, j),
-                                        variables)
+                                        variables, jl_seed)
             return (j + 1, *[a + g for a, g in zip(acc, grads)])
 
         zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
@@ -261,30 +477,118 @@ class DPTrainMixin:
             self.optimizer.build(self.trainable_variables)
 
 
-def _fixed_batch_rate(x, batch_size, validation_split, dataset_size):
-    """q = logical batch / N for fixed batches (the accounting then assumes Poisson)."""
+def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, sampling_probability):
+    """(q, expected logical batch or None, poisson?) for inputs tf_dp does not sample.
+
+    q is never guessed from a dataset's cardinality (a repeated or endless dataset would
+    give a wrong one): datasets and other iterables need ``dataset_size``.
+    """
+    if sampling_probability is not None and dataset_size is None:
+        raise ValueError("`sampling_probability` needs `dataset_size` too (the expected batch "
+                         "size q * N divides the noisy sum).")
+    if dataset_size is not None and (isinstance(dataset_size, bool) or not isinstance(
+            dataset_size, (int, np.integer)) or dataset_size < 1):
+        raise ValueError(f"`dataset_size` must be a positive integer, got {dataset_size!r}.")
+    if sampling_probability is not None:
+        if not (isinstance(sampling_probability, (int, float)) and 0 < sampling_probability <= 1):
+            raise ValueError("`sampling_probability` must be in (0, 1], got "
+                             f"{sampling_probability!r}.")
+        return float(sampling_probability), float(sampling_probability) * dataset_size, True
     if isinstance(x, tf.data.Dataset):
-        spec_leaf = tf.nest.flatten(x.element_spec)[0]
-        batch = spec_leaf.shape[0]
+        if dataset_size is None:
+            raise ValueError(
+                "This tf.data.Dataset was not made by a tf_dp.data.PoissonSampler, so tf_dp "
+                "cannot tell its sampling rate: pass `dataset_size=N` to fit() (q = batch / N, "
+                "accounted as if batches were Poisson samples), or build the input with "
+                "tf_dp.data.PoissonSampler (maps and prefetch after it are fine).")
+        batch = tf.nest.flatten(x.element_spec)[0].shape[0]
         if batch is None:
             first = next(iter(x.take(1)))
             batch = int(tf.nest.flatten(first)[0].shape[0])
-        if dataset_size is None:
-            card = int(x.cardinality())
-            if card <= 0:
-                raise ValueError(
-                    "Cannot tell the data set size from this dataset (unknown or infinite "
-                    "cardinality): pass `dataset_size=N` to fit() so epsilon can be computed.")
-            dataset_size = card * batch
-    else:
-        if not _is_array_like(x):
-            if dataset_size is None or batch_size is None:
-                raise ValueError("For this input type pass `dataset_size=N` and `batch_size` "
-                                 "to fit() so epsilon can be computed.")
+        n = dataset_size
+    elif _is_array_like(x):
         n = dataset_size or len(tf.nest.flatten(x)[0])
-        dataset_size = int(n * (1.0 - (validation_split or 0.0)))
-        batch = batch_size or 32
-    return min(1.0, batch / dataset_size)
+        n = int(n * (1.0 - (validation_split or 0.0)))
+        batch = batch_size
+    else:
+        if dataset_size is None or batch_size is None:
+            raise ValueError("For this input type pass `dataset_size=N` and `batch_size` "
+                             "to fit() so epsilon can be computed.")
+        n, batch = dataset_size, batch_size
+    return min(1.0, batch / n), None, False
+
+
+def _limit_steps(fit_args, steps):
+    """The input of ``fit_args`` cut to ``steps`` logical batches (a tf.data.Dataset)."""
+    x = fit_args["x"]
+    if isinstance(x, tf.data.Dataset):
+        return x.take(steps)
+    if _is_array_like(x):
+        parts = tuple(p for p in (x, fit_args.get("y"), fit_args.get("sample_weight"))
+                      if p is not None)
+        n = len(tf.nest.flatten(x)[0])
+        ds = tf.data.Dataset.from_tensor_slices(parts)
+        if fit_args.get("shuffle", True):
+            ds = ds.shuffle(n, reshuffle_each_iteration=True)
+        return ds.batch(fit_args.get("batch_size") or 32).repeat().take(steps)
+    return x
+
+
+def _empty_history(model):
+    history = keras.callbacks.History()
+    history.set_model(model)
+    history.on_train_begin()
+    model.history = history
+    return history
+
+
+def _is_prefix(shorter, longer):
+    """True if the phases ``shorter`` are the beginning of ``longer``."""
+    if len(shorter) > len(longer):
+        return False
+    if not shorter:
+        return True
+    same = lambda a, b: (a.noise_multiplier, a.sampling_probability, a.num_projections) == (
+        b.noise_multiplier, b.sampling_probability, b.num_projections)
+    for a, b in zip(shorter[:-1], longer):
+        if not (same(a, b) and a.count == b.count):
+            return False
+    last, there = shorter[-1], longer[len(shorter) - 1]
+    return same(last, there) and last.count <= there.count
+
+
+class _StoreWithout:
+    """A weights store minus one key (the budget), for Keras' own variable loading."""
+
+    def __init__(self, store, key):
+        self._store, self._key = store, key
+
+    def keys(self):
+        return [k for k in self._store.keys() if k != self._key]
+
+    def __len__(self):
+        return len(self.keys())
+
+    def __contains__(self, key):
+        return key != self._key and key in self._store
+
+    def __getitem__(self, key):
+        if key == self._key:
+            raise KeyError(key)
+        return self._store[key]
+
+
+def _dp_optimizer_of(optimizer):
+    """The tf_dp optimizer, also inside Keras' LossScaleOptimizer; None if there is none."""
+    if isinstance(optimizer, DPOptimizerMixin):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return inner if isinstance(inner, DPOptimizerMixin) else None
+
+
+_SEEDED_CAVEAT = (
+    "SEEDED: a DP optimizer or sampler of this run was given a seed: anyone holding the seed "
+    "can regenerate the noise (and the samples), so the reported epsilon does NOT hold.")
 
 
 def _refuse_data_dependent_losses(model):

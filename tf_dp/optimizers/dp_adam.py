@@ -24,7 +24,9 @@ class DPAdam(DPOptimizerMixin, keras.optimizers.Adam):
       learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay: as in
         ``keras.optimizers.Adam``.
       gradient_accumulation_steps: micro-batches per logical step (noise once per step).
-      seed: int seed for the noise; None draws a secret seed.
+      seed: debugging only. None (default): noise from fresh OS entropy, never saved
+        or replayed. An int makes the noise a public function of the seed, so the
+        privacy guarantee does not hold (a warning says so).
       norm_strategy: "auto", "ghost" or "vmap".
       **kwargs: other ``keras.optimizers.Optimizer`` arguments.
 

@@ -22,7 +22,9 @@ class DPAdamW(DPOptimizerMixin, keras.optimizers.AdamW):
         ``keras.optimizers.AdamW``.
       gradient_accumulation_steps: micro-batches per logical step (noise once per step);
         Anil et al. accumulate to mega-batches this way.
-      seed: int seed for the noise; None draws a secret seed.
+      seed: debugging only. None (default): noise from fresh OS entropy, never saved
+        or replayed. An int makes the noise a public function of the seed, so the
+        privacy guarantee does not hold (a warning says so).
       norm_strategy: "auto", "ghost" or "vmap".
       **kwargs: other ``keras.optimizers.Optimizer`` arguments.
 

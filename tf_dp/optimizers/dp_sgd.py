@@ -27,7 +27,9 @@ class DPSGD(DPOptimizerMixin, keras.optimizers.SGD):
       learning_rate, momentum, nesterov, weight_decay: as in ``keras.optimizers.SGD``.
       gradient_accumulation_steps: k >= 1 micro-batches per logical step; clipped sums are
         accumulated and noise is added once per logical step.
-      seed: int seed for the noise (reproducible runs); None draws a secret seed.
+      seed: debugging only. None (default): noise from fresh OS entropy, never saved
+        or replayed. An int makes the noise a public function of the seed, so the
+        privacy guarantee does not hold (a warning says so).
       norm_strategy: "auto", "ghost" or "vmap" (how per-example norms are computed).
       **kwargs: other ``keras.optimizers.Optimizer`` arguments (clipnorm, use_ema, name...).
 

@@ -1,0 +1,112 @@
+"""Secret random streams for the noise, the JL directions and Poisson sampling.
+
+The privacy guarantee holds only if nobody can predict or reproduce the randomness of a run:
+whoever knows the noise of a step subtracts it from the released update and recovers the
+clipped sum, and whoever knows which examples were sampled voids the amplification the
+accountant counts. So a ``SecretStream``
+
+* takes a 128-bit key from the OS (``os.urandom``) unless a debugging ``seed`` is given;
+* keeps key and counter in TensorFlow variables that no Keras or TensorFlow checkpoint,
+  SavedModel, ``.keras`` file or config tracks (they live in a plain Python object), so no
+  saved artefact holds them and no restore can rewind them;
+* hands out per-use seeds ``H(key0, key1 XOR c)`` for a counter ``c`` that only ever
+  increases (``assign_add`` in the graph): restoring weights, an optimizer state or
+  ``optimizer.iterations``, re-compiling or re-iterating a dataset never draws a seed twice.
+
+With ``seed=`` the key is derived from the seed (SHA-256 with a purpose string, so the noise,
+JL and sampling streams of one seed differ): runs are reproducible, and anyone holding the
+seed can regenerate the noise. That is for debugging only; the objects that accept a seed
+warn that the reported epsilon then does not hold (``SEEDED_WARNING``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+SEEDED_WARNING = (
+    "tf_dp: {what} was given `seed={seed}`. Its noise/sampling is then a public function of "
+    "the seed: anyone who holds the seed can regenerate and subtract the noise, so the "
+    "reported epsilon does NOT hold for this run. Use seeds only for debugging; leave "
+    "`seed=None` (fresh OS entropy) for any run whose privacy matters.")
+
+
+def _key_from_seed(seed, purpose: str):
+    digest = hashlib.sha256(f"tf_dp:{purpose}:{int(seed)}".encode()).digest()
+    return np.frombuffer(digest[:16], dtype=np.int64).copy()
+
+
+def _fresh_key():
+    return np.frombuffer(os.urandom(16), dtype=np.int64).copy()
+
+
+def warn_seeded(what: str, seed) -> None:
+    """Warns (``UserWarning``) that a seeded DP object voids the guarantee."""
+    warnings.warn(SEEDED_WARNING.format(what=what, seed=seed), UserWarning, stacklevel=3)
+
+
+class SecretStream:
+    """A never-repeating source of (2,) int64 seeds for ``tf.random.stateless_*`` ops.
+
+    Not a ``tf.Module`` on purpose: nothing that tracks variables for saving can reach its
+    key or counter. Create it eagerly (outside any ``tf.function``); ``next_seed`` may be
+    called in graphs and in ``tf.data`` functions.
+
+    Args:
+      purpose: a name separating the streams of one seed ("noise", "jl", "poisson", ...).
+      seed: optional int for reproducible debugging runs (voids the privacy guarantee).
+    """
+
+    def __init__(self, purpose: str, seed=None):
+        self.purpose = purpose
+        self.seeded = seed is not None
+        key = _fresh_key() if seed is None else _key_from_seed(seed, purpose)
+        with tf.init_scope():
+            # ONLY_FIRST_REPLICA: under a MirroredStrategy scope the counter is a mirrored
+            # variable that replicas may advance from their replica context.
+            self._key = tf.Variable(key, dtype=tf.int64, trainable=False,
+                                    name=f"tf_dp_{purpose}_key",
+                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name=f"tf_dp_{purpose}_counter",
+                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        del key
+
+    def next_seed(self) -> tf.Tensor:
+        """A fresh (2,) int64 seed; advances the counter (never goes back)."""
+        c = self._counter.assign_add(1, read_value=True) - 1
+        return self._seed_at(c)
+
+    def _seed_at(self, counter) -> tf.Tensor:
+        key = tf.convert_to_tensor(self._key)
+        mixed = tf.stack([key[0], tf.bitwise.bitwise_xor(key[1], tf.cast(counter, tf.int64))])
+        # One Philox evaluation of the 128-bit (key, counter) gives the seed: without the key
+        # the seeds of different counters are unrelated.
+        return tf.random.stateless_uniform([2], seed=mixed, minval=None, maxval=None,
+                                           dtype=tf.int64)
+
+    @property
+    def draws(self) -> int:
+        """How many seeds were handed out so far (for tests and reports)."""
+        return int(self._counter.numpy())
+
+    def __getstate__(self):
+        raise TypeError("tf_dp: a SecretStream cannot be pickled or copied (its key must "
+                        "never leave the process).")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("tf_dp: a SecretStream cannot be copied (its key must never be "
+                        "shared between two users of the noise).")
+
+
+def seeded_draw(seed: int, purpose: str, index: int) -> tf.Tensor:
+    """The ``index``-th seed (0-based) a stream seeded with ``seed`` hands out for ``purpose``
+    ("noise", "jl", "poisson"): for reproducing a seeded debugging run, e.g. in tests."""
+    key = _key_from_seed(seed, purpose)
+    mixed = tf.stack([tf.constant(key[0]), tf.bitwise.bitwise_xor(
+        tf.constant(key[1]), tf.constant(index, tf.int64))])
+    return tf.random.stateless_uniform([2], seed=mixed, minval=None, maxval=None, dtype=tf.int64)
