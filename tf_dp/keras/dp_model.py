@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import private_step, reparam
+from tf_dp.core import independence, private_step, reparam
 from tf_dp.keras.privacy_callback import PrivacyCallback, max_additional_steps
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
@@ -257,6 +257,7 @@ class DPTrainMixin:
         if opt.seeded:
             self._dp_caveat(_SEEDED_CAVEAT)
             warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
+        self._dp_check_model(x, y, sample_weight)
         k = opt.accumulation_steps
         sampler = x if isinstance(x, PoissonSampler) else None
         data = None
@@ -297,7 +298,8 @@ class DPTrainMixin:
                 self._dp_caveat("FIXED_BATCHES: " + _FIXED_BATCH_NOTE[len("tf_dp: "):])
                 warnings.warn(_FIXED_BATCH_NOTE, UserWarning, stacklevel=2)
             fit_args = dict(x=x, y=y, batch_size=batch_size, validation_split=validation_split,
-                            shuffle=shuffle, sample_weight=sample_weight,
+                            shuffle=shuffle if _is_array_like(x) else False,
+                            sample_weight=sample_weight,
                             steps_per_epoch=steps_per_epoch)
         budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
@@ -313,7 +315,7 @@ class DPTrainMixin:
             fit_args["x"] = _limit_steps(fit_args, budget)
             if not isinstance(fit_args["x"], tf.data.Dataset):
                 raise ValueError("`target_epsilon` needs array, PoissonSampler or tf.data input.")
-            for key in ("y", "sample_weight", "batch_size", "validation_split"):
+            for key in ("y", "sample_weight", "batch_size", "validation_split", "shuffle"):
                 fit_args.pop(key, None)
         self._dp_set_sampling(expected, q, poisson=poisson)
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
@@ -336,12 +338,24 @@ class DPTrainMixin:
             raise RuntimeError(
                 f"tf_dp: another step would exceed the target epsilon {self.target_epsilon:g} "
                 f"at delta {self.privacy_delta:g}; not training.")
+        self._dp_check_model(x, y, sample_weight)
         self._dp_set_sampling(None, 1.0, poisson=False)
         try:
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           class_weight=class_weight, return_dict=return_dict)
         finally:
             self._dp_drain()
+
+    def _dp_check_model(self, x, y, sample_weight):
+        """Before training: refuses layers that mix examples (a generic check on rows of the
+        real input, once per architecture) and notes preprocessing adapted on data."""
+        adapted = independence.warn_adapted_layers(self, stacklevel=4)
+        if adapted:
+            self._dp_caveat("ADAPTED_PREPROCESSING: " + independence.adapted_layers_warning(
+                adapted)[len("tf_dp: "):])
+        independence.check_before_private_training(
+            self, x, y, sample_weight, self._dp_loss,
+            variables=reparam.gradient_plan(self).privatized)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras peeks one distributed batch here and averages it over replicas, which fails
@@ -417,6 +431,10 @@ class DPTrainMixin:
         else:
             grads = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed)
         _refuse_data_dependent_losses(self)
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            # An eager custom loop: the same check fit() runs (cached after its first run).
+            independence.check_before_private_training(self, x, y, sample_weight,
+                                                       self._dp_loss, variables=variables)
         expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
