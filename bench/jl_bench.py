@@ -175,7 +175,7 @@ def _build(model_name, config):
         loss = keras.losses.BinaryCrossentropy(from_logits=True)
         x_spec = tf.TensorSpec((None, 150), tf.int32)
         y_spec = tf.TensorSpec((None, 1), tf.float32)
-    dp = dict(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3, seed=0)
+    dp = dict(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3)
     if config in ("nonprivate", "baseline"):
         opt = keras.optimizers.Adam(1e-3)
     else:

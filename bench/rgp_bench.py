@@ -144,7 +144,7 @@ def measure(model_name, config):
         model = tf_dp.keras.make_private(model)
         strategy = "vmap" if config == "dp_vmap" else "auto"
         optimizer = tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3,
-                                 seed=0, norm_strategy=strategy)
+                                 norm_strategy=strategy)
         privatized = reparam.gradient_plan(model).privatized
         result["per_example_floats"] = int(sum(np.prod(v.shape) for v in privatized))
     model.compile(optimizer=optimizer,

@@ -36,7 +36,8 @@ flags.DEFINE_integer("num_projections", 5, "JL projections r (JL optimizers only
 flags.DEFINE_enum("activation", "tanh", ["tanh", "relu"], "Hidden activation.")
 flags.DEFINE_enum("norm_strategy", "auto", ["auto", "ghost", "vmap"], "Per-example norm path.")
 flags.DEFINE_float("delta", 1e-5, "Target delta.")
-flags.DEFINE_integer("seed", 0, "Seed for initialisation, sampling and noise.")
+flags.DEFINE_integer("seed", 0, "Seed for weight initialisation only. Noise and Poisson sampling always "
+                     "come from fresh OS entropy (a seeded DP optimizer would void epsilon).")
 flags.DEFINE_string("dataset", "fashion_mnist", "fashion_mnist or mnist.")
 
 
@@ -56,7 +57,7 @@ def tutorial_cnn(activation: str) -> keras.Model:
 
 def make_optimizer():
     dp = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier,
-              learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,)
+              learning_rate=FLAGS.learning_rate)
     name = FLAGS.optimizer
     if name == "sgd":
         return keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum)

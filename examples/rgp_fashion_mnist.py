@@ -62,7 +62,8 @@ flags.DEFINE_float("learning_rate", 1.0, "Learning rate (SGD with momentum; 1 wa
                    "for all three methods, docs/rgp_results.md).")
 flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 flags.DEFINE_float("delta", 1e-5, "Target delta.")
-flags.DEFINE_integer("seed", 0, "Seed for initialisation, sampling, carriers and noise.")
+flags.DEFINE_integer("seed", 0, "Seed for initialisation and carriers only. Noise and Poisson "
+                     "sampling always come from fresh OS entropy.")
 flags.DEFINE_enum("dataset", "fashion_mnist", ["fashion_mnist", "cifar10", "svhn_cropped"],
                   "Data set; cifar10 / svhn_cropped need a prepared tfds copy in --data_dir.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (cifar10, svhn).")
@@ -229,7 +230,7 @@ def main(argv):
     if private:
         model = tf_dp.keras.make_private(model, delta=FLAGS.delta)
         optimizer = tf_dp.DPSGD(FLAGS.l2_norm_clip, sigma, learning_rate=FLAGS.learning_rate,
-                                momentum=FLAGS.momentum, seed=FLAGS.seed)
+                                momentum=FLAGS.momentum)
     else:
         optimizer = keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum)
     model.compile(optimizer=optimizer,

@@ -65,7 +65,8 @@ flags.DEFINE_float("target_epsilon", 3.0, "Epsilon to calibrate sigma to (if no 
 flags.DEFINE_float("l2_norm_clip", 1.0, "Per-example clipping norm C.")
 flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
 flags.DEFINE_float("delta", 1e-5, "Target delta.")
-flags.DEFINE_integer("seed", 0, "Seed for initialisation, sampling, carriers and noise.")
+flags.DEFINE_integer("seed", 0, "Seed for initialisation and carriers only. Noise and Poisson "
+                     "sampling always come from fresh OS entropy.")
 
 
 # ----------------------------------------------------------------------------- layers
@@ -213,8 +214,7 @@ def main(argv):
         sigma = calibrate_noise_multiplier(FLAGS.target_epsilon, FLAGS.delta, q, steps)
     if private:
         model = tf_dp.keras.make_private(model, delta=FLAGS.delta)
-        optimizer = tf_dp.DPAdam(FLAGS.l2_norm_clip, sigma, learning_rate=FLAGS.learning_rate,
-                                 seed=FLAGS.seed)
+        optimizer = tf_dp.DPAdam(FLAGS.l2_norm_clip, sigma, learning_rate=FLAGS.learning_rate)
     else:
         optimizer = keras.optimizers.Adam(FLAGS.learning_rate)
     model.compile(optimizer=optimizer,

@@ -77,7 +77,8 @@ flags.DEFINE_bool("mask_zero", False, "Mask the padding in the embedding (Keras 
                   "the LSTM ghost rule and JL projections support it).")
 flags.DEFINE_integer("max_train_examples", 0, "Use only the first N training texts (0: all).")
 flags.DEFINE_float("delta", 1e-5, "Target delta.")
-flags.DEFINE_integer("seed", 0, "Seed for initialisation, sampling, projections and noise.")
+flags.DEFINE_integer("seed", 0, "Seed for initialisation only. Noise, JL projections and Poisson "
+                     "sampling always come from fresh OS entropy.")
 
 
 # ------------------------------------------------------------------ data
@@ -136,7 +137,7 @@ def bilstm(mask_zero: bool) -> keras.Model:
 
 def make_optimizer(name):
     dp = dict(l2_norm_clip=FLAGS.l2_norm_clip, noise_multiplier=FLAGS.noise_multiplier,
-              learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+              learning_rate=FLAGS.learning_rate,
               gradient_accumulation_steps=FLAGS.micro_batches)
     if name == "adam":
         return keras.optimizers.Adam(FLAGS.learning_rate)
@@ -210,6 +211,10 @@ def main(argv):
           f"{FLAGS.vocabulary} ({FLAGS.max_tokens} ids), length {FLAGS.sequence_length}; "
           f"majority class {majority:.4f}; batch {FLAGS.batch_size}, lr {FLAGS.learning_rate:g}, "
           f"sigma {FLAGS.noise_multiplier:g}, C {FLAGS.l2_norm_clip:g}", flush=True)
+    if FLAGS.vocabulary == "train":
+        print("note: the TextVectorization vocabulary was adapted on the private training texts: "
+              "it is outside the reported epsilon (use --vocabulary=hashing for a vocabulary "
+              "that reveals nothing).", flush=True)
     names = [FLAGS.optimizer]
     if FLAGS.compare:
         names += [n for n in ("adam", "dpadam") if n != FLAGS.optimizer]
