@@ -116,14 +116,21 @@ class DPTrainMixin:
 
     def privacy_report(self) -> dict:
         """The spent budget and what it covers: epsilon at the model's delta, the steps
-        accounted per mechanism, and the caveats (e.g. a seeded optimizer, after which the
-        reported epsilon does not hold)."""
+        accounted per mechanism, and the caveats (see docs/privacy.md).
+
+        ``guarantee_holds`` is False when a caveat voids the proof for the released model: a
+        seeded optimizer or sampler (anyone with the seed removes the noise), fixed batches
+        (accounted as if Poisson-sampled) or preprocessing adapted on data (its statistics
+        are in the model, outside epsilon). Sampling declared by the user
+        (``sampling_probability=``) is a caveat the report lists but cannot check.
+        """
         accountant = self.accountant
+        voiding = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
         report = {"epsilon": self.epsilon(), "delta": self.privacy_delta,
                   "steps": accountant.steps,
                   "phases": accountant.get_config()["phases"],
                   "caveats": self.privacy_caveats,
-                  "guarantee_holds": not any(c.startswith("SEEDED") for c in
+                  "guarantee_holds": not any(c.startswith(voiding) for c in
                                              self.privacy_caveats)}
         if self._dp_exact_accountant.steps:
             report["epsilon_exact_clipping"] = self.epsilon(exact_clipping=True)
