@@ -672,7 +672,9 @@ def test_fixed_batches_warn_once_and_say_so_in_the_privacy_report(capsys):
     assert len([w for w in seen if "fixed (shuffled) batches" in str(w.message)]) == 1
     # Library code does not print: the note is a warning and a caveat of the report.
     assert "Poisson" not in capsys.readouterr().out
-    assert any(c.startswith("FIXED_BATCHES") for c in model.privacy_report()["caveats"])
+    report = model.privacy_report()
+    assert any(c.startswith("FIXED_BATCHES") for c in report["caveats"])
+    assert report["guarantee_holds"] is False  # not proven for fixed batches
 
 
 # ------------------------------------------------------------------ loud failures
