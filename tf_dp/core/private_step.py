@@ -68,10 +68,7 @@ def _non_finite_policy(model):
     of the backward pass an expected numeric event that must not stop (or, as dynamic loss
     scaling would, skip) the step depending on the data; "error" otherwise.
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if getattr(layer, "compute_dtype", None) == "float16":
-            return "zero"
-    return "error"
+    return "zero" if ghost.computes_in_float16(model) else "error"
 
 
 def batch_size_of(x):
