@@ -81,6 +81,29 @@ def test_optimistic_pld_does_not_collapse_on_a_coarse_lattice():
     assert 0.05 * true0 < pld.delta_for_epsilon(lower, [0.0])[0] <= true0
 
 
+def test_refine_pursues_the_target_past_the_tolerance():
+    # The case: within a 5e-3 tolerance after one pass (bracket 3e-3 at Δ = 1e-3); with a
+    # 5e-4 target a second pass certifies 3e-4.
+    phases = [composition.Phase(2.0, 256 / 60000, None, 234)]
+    args = (phases, 1e-2 * DELTA, _query(DELTA), max, lambda u: 5e-3)
+    loose = composition.refine(*args)
+    tight = composition.refine(*args, target=lambda u: 5e-4)
+    assert loose.converged and tight.converged
+    assert loose.error > 5e-4 >= tight.error
+    assert tight.lower >= loose.lower and tight.upper <= loose.upper
+
+
+def test_refine_does_not_pursue_the_target_for_split_phases():
+    # Heavy JL tails (r = 5): the split's optimistic side drops up to j_max bulk steps, a gap no
+    # lattice closes; passes past the tolerance would only cost time.
+    phases = [composition.Phase(1.0, 0.01, 5, 1000)]
+    args = (phases, 1e-2 * DELTA, _query(DELTA), max, lambda u: 5e-3 * u)
+    kwargs = dict(horizon=lambda u: u + max(40.0, 0.25 * u))
+    plain = composition.refine(*args, **kwargs)
+    targeted = composition.refine(*args, target=lambda u: 1e-9, **kwargs)
+    assert targeted == plain
+
+
 def test_split_and_unsplit_jl_brackets_agree(monkeypatch):
     # Heavy-tailed JL (r = 5): bulk ⊛ tail composition against the plain one, both certified.
     acc = lambda: composition.refine(  # noqa: E731
