@@ -388,8 +388,6 @@ def _fit_one_step(model, x, y):
     return [a - b for a, b in zip(model.get_weights(), before)]
 
 
-@pytest.mark.xfail(reason="wiring pending: DPModel.compile/_dp_micro_step must use "
-                          "tf_dp.core.loss_scale (see its module docstring)", strict=False)
 @pytest.mark.filterwarnings("ignore")
 def test_mixed_float16_fit_trains_with_a_fixed_loss_scale():
     from tf_dp.keras import make_private

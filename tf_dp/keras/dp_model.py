@@ -14,6 +14,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
 from tf_dp.core import independence, private_step, reparam
+from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.privacy_callback import PrivacyCallback, max_additional_steps
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
@@ -235,6 +236,11 @@ class DPTrainMixin:
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
         names = getattr(self, "output_names", None)
         self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
+        # mixed_float16: a fixed, data-independent loss scale (Keras' dynamic scaling skips
+        # steps when a gradient overflows, a decision that depends on the private data).
+        # Keras may wrap the DP optimizer in a LossScaleOptimizer; its dynamic scale is
+        # never used, the private step applies through the DP optimizer itself.
+        self._dp_loss_scale = loss_scale_lib.fixed_loss_scale(self)
         if _dp_optimizer_of(optimizer).seeded:
             self._dp_caveat(_SEEDED_CAVEAT)
 
@@ -452,8 +458,9 @@ class DPTrainMixin:
 
     def _dp_micro_step(self, x, y, sample_weight, variables, jl_seed=None):
         opt = _dp_optimizer_of(self.optimizer)
-        result = private_step.clipped_sum(
-            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip, variables=variables,
+        result = loss_scale_lib.scaled_clipped_sum(
+            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip,
+            loss_scale=getattr(self, "_dp_loss_scale", None), variables=variables,
             norm_strategy=opt.norm_strategy, num_projections=opt.num_projections,
             seed=jl_seed)
         self._dp_update_metrics(x, y, result, sample_weight)
