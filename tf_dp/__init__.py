@@ -10,7 +10,8 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = ("accounting", "analysis", "core", "data", "datasets", "keras", "layers", "optimizers")
-_OPTIMIZERS = ("DPSGD", "DPAdam", "DPAdamW", "DPSGDJL", "DPAdamJL", "DPAdamWJL")
+_OPTIMIZERS = ("DPSGD", "DPAdam", "DPAdamW", "DPSGDJL", "DPAdamJL", "DPAdamWJL",
+               "make_private_optimizer")
 
 
 def __getattr__(name):

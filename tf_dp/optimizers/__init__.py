@@ -7,5 +7,7 @@ from tf_dp.optimizers.dp_adamw_jl import DPAdamWJL
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 from tf_dp.optimizers.dp_sgd import DPSGD
 from tf_dp.optimizers.dp_sgd_jl import DPSGDJL
+from tf_dp.optimizers.factory import make_private_optimizer, private_class
 
-__all__ = ["DPSGD", "DPAdam", "DPAdamW", "DPSGDJL", "DPAdamJL", "DPAdamWJL", "DPOptimizerMixin"]
+__all__ = ["DPSGD", "DPAdam", "DPAdamW", "DPSGDJL", "DPAdamJL", "DPAdamWJL", "DPOptimizerMixin",
+           "make_private_optimizer", "private_class"]
