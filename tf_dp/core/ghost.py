@@ -8,15 +8,18 @@ a *term* describing that weight's per-example gradient in factored form:
   ``sum((A A^T) * (G G^T))`` (ghost, cost B*T^2) or ``||A^T G||^2`` (materialised, cost
   B*d*p), whichever is cheaper (Goodfellow 2015; Li et al. 2022, "Large language models can
   be strong differentially private learners", Sec. 4).
-* ``EmbeddingTerm``: rows ``ids[i, t]`` receive ``dz[i, t]``; norm by token-id equality.
+* ``EmbeddingTerm``: rows ``ids[i, t]`` receive ``dz[i, t]``; norm from the row sums of
+  equal token ids.
 * ``DirectTerm``: the per-example gradient is a small tensor computed directly (biases,
   normalisation scales).
 
 One backward pass gives ``dz`` for every recorded output; the clipped sum
 ``sum_i w_i g_i`` is then formed from the same factors ("book-keeping", Bu et al. 2022,
-"Differentially Private Optimization on Large Model at Small Cost"), so the norm and the
-summed gradient always come from the very same tensors, which is what makes each
-example's contribution provably bounded by the clipping norm.
+"Differentially Private Optimization on Large Model at Small Cost"). The norm and the sum
+are still different computations (the Gram form above is not the contraction that sums),
+so every norm comes with an upper bound of what the sum adds for the example, rounding
+included, and the clip factor is formed from that bound (see "precision" below): each
+example's contribution is then bounded by the clipping norm for any input.
 """
 
 from __future__ import annotations
@@ -88,7 +91,10 @@ def _to_btp(dz):
 
 
 def _flat_per_example(t):
-    return tf.reshape(t, [tf.shape(t)[0], -1])
+    """(B, ...) -> (B, n), with n static whenever t's non-batch shape is (a -1 would lose it
+    when the batch is unknown)."""
+    n = t.shape[1:].num_elements() if t.shape.rank is not None else None
+    return tf.reshape(t, [tf.shape(t)[0], -1 if n is None else n])
 
 
 # ---------------------------------------------------------------------------- recorder
@@ -540,8 +546,11 @@ def _patched_calls(layers, rec, patched):
 # (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed. 2002, Sec. 3.1 and 4.2).
 # The Gram form sum((A A^T) * (G G^T)) squares the conditioning of sum_t a_t g_t^T: with
 # kappa = sum_t ||a_t|| ||g_t|| / ||A^T G||, float32 loses kappa^2 u32 of the squared norm (it
-# even goes negative), so Gram matrices are formed in float64, where the same bound is tiny
-# for any kappa below ~1e6 and stays sound (only conservative) above.
+# even goes negative), so Gram matrices are formed in float64. The fused float32 weighted sum
+# is off by up to gamma_{T+1} kappa of the norm: the rare examples for which that exceeds
+# _FLOAT32_SUM_MAX_SLACK (kappa above ~50 for T = 32) have their sum formed in float64 and
+# their norm from their own float64 matrix, one example at a time, so that neither bound
+# lowers their clip factor by more than that.
 
 _UNIT_ROUNDOFF = {tf.float16: 2.0**-11, tf.bfloat16: 2.0**-8, tf.float32: 2.0**-24,
                   tf.float64: 2.0**-53}
@@ -682,10 +691,15 @@ def _row_sums(ids, g):
     return tf.einsum("bts,bsd->btd", same, g), tf.reduce_sum(same, axis=2), same
 
 
+def _width(t):
+    """t's last axis for a reshape, static when known (squared_norms needs a static width)."""
+    return t.shape[-1] if t.shape[-1] is not None else -1
+
+
 def _rows_norm(row_sums, count):
     """(estimate, upper bound) of ``sqrt(sum_t ||R_t||^2 / count_t)``, each row counted once."""
     batch, steps = tf.shape(row_sums)[0], tf.shape(row_sums)[1]
-    r_sq, r_upper = squared_norms(tf.reshape(row_sums, [batch * steps, -1]))
+    r_sq, r_upper = squared_norms(tf.reshape(row_sums, [batch * steps, _width(row_sums)]))
     count = tf.cast(count, tf.float64)
     return (tf.reduce_sum(tf.reshape(r_sq, [batch, steps]) / count, axis=1),
             tf.sqrt(tf.reduce_sum(tf.reshape(r_upper, [batch, steps]) / count, axis=1)))
@@ -706,7 +720,7 @@ def _embedding_norms(ids, g):
     # R_t (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
     # row: each is off by at most gamma_{T+1} sum_{s in row} ||g_s||, whose norm over rows is
     # `spread` (itself summed in g's dtype, hence the extra gamma).
-    _, g_sq = squared_norms(tf.reshape(g, [batch * steps, -1]))
+    _, g_sq = squared_norms(tf.reshape(g, [batch * steps, _width(g)]))
     g_norms = tf.cast(tf.reshape(tf.sqrt(g_sq), [batch, steps]), g.dtype)
     near = tf.cast(tf.einsum("bts,bs->bt", same, g_norms), tf.float64)
     spread = tf.sqrt(tf.reduce_sum(tf.square(near) / tf.cast(count, tf.float64), axis=1))
