@@ -500,6 +500,10 @@ def refine(
         finer = delta_step / 3.0
         if horizon is not None and math.isfinite(upper):
             new_limit = horizon(upper)
+            if limit is None:
+                # The first horizon may move the phases to other lattices (two levels, a
+                # coarser one): the pass without it is no yardstick for the next.
+                width = math.inf
             if limit is None or new_limit < limit:
                 limit = new_limit
                 caps = [min(c, limit) for c in tight_caps]
