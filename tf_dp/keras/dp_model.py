@@ -233,13 +233,17 @@ class DPTrainMixin:
         self._dp_drain()
         # XLA cannot compile every fallback (vectorized_map / map_fn); keep it opt-in.
         kwargs.setdefault("jit_compile", False)
+        # The private step scales per-example losses itself, by a fixed scale (below):
+        # Keras' LossScaleOptimizer (dynamic, data-dependent skips) is not wanted.
+        kwargs.setdefault("auto_scale_loss", False)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
         names = getattr(self, "output_names", None)
         self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
         # mixed_float16: a fixed, data-independent loss scale (Keras' dynamic scaling skips
         # steps when a gradient overflows, a decision that depends on the private data).
-        # Keras may wrap the DP optimizer in a LossScaleOptimizer; its dynamic scale is
-        # never used, the private step applies through the DP optimizer itself.
+        # If a LossScaleOptimizer wraps the DP optimizer anyway (auto_scale_loss=True or a
+        # wrapped optimizer given), its dynamic scale is never used: the private step
+        # applies through the DP optimizer itself.
         self._dp_loss_scale = loss_scale_lib.fixed_loss_scale(self)
         if _dp_optimizer_of(optimizer).seeded:
             self._dp_caveat(_SEEDED_CAVEAT)
