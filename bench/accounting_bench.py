@@ -1,14 +1,20 @@
 """Accounting benchmark: tf_dp.accounting next to dp-accounting's PLD and prv-accountant.
 
 Run: python bench/accounting_bench.py [--jl r1,r2,...] [--repeats N] [--skip_equal_time]
+     [--skip_tightness] [--skip_cost]
 
-Prints three tables for the issue's setting (q = 256/60000, σ = 1.1, 14,062 steps, δ = 1e-5):
+Prints five tables, the first three for the issue's setting (q = 256/60000, σ = 1.1, 14,062
+steps, δ = 1e-5):
 
 1. The default query next to dp-accounting's PLD, prv-accountant, RDP and the CLT.
 2. Equal-time comparison (Gaussian): both PLD engines at a range of fixed discretisations Δ,
    each point's error against a fine reference (our certified bracket at Δ = 1e-5), then, for a
    series of time budgets, the smallest error each engine reached within the budget.
 3. JL queries over r: ε, its certified bracket, time.
+4. Tightness: the default Gaussian query next to prv-accountant's certified bracket at
+   eps_error = 1e-3 over the regimes of tests/accounting/tight_test.py (ε from 0.04 to 36).
+5. Cost of the default Gaussian query where it refines most (long runs, small q or σ) and at
+   large ε: ε, certified bracket, final Δ, time.
 
 Times are CPU seconds of this process (time.process_time, best of --repeats runs): the machine
 is shared, and wall time there measures the neighbours as much as the code. Caches of both
@@ -29,6 +35,29 @@ Q, SIGMA, STEPS, DELTA = 256 / 60000, 1.1, 14062, 1e-5
 GRID = (2e-3, 1e-3, 5e-4, 3e-4, 2e-4, 1e-4, 7e-5, 5e-5, 3e-5, 2e-5, 1.5e-5)
 REFERENCE_DISCRETIZATION = 1e-5
 BUDGETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# (σ, q, steps) of the tightness table: tests/accounting/tight_test.py's fast regimes.
+TIGHT_REGIMES = (
+    (3.0, 0.004, 100),
+    (2.0, 0.001, 1000),
+    (2.0, 256 / 60000, 234),
+    (5.0, 0.02, 1000),
+    (3.0, 0.02, 1000),
+    (8.0, 0.1, 1000),
+    (5.0, 0.1, 1000),
+    (2.0, 1.0, 10),
+    (1.0, 1.0, 10),
+    (0.6, 1.0, 10),
+)
+PRV_EPS_ERROR = 1e-3
+# (σ, q, steps) of the cost table: the issue's setting, then long runs and large ε.
+COST_REGIMES = (
+    (SIGMA, Q, STEPS),
+    (0.6, 0.001, 10000),
+    (0.6, 0.02, 10000),
+    (3.0, 0.02, 10000),
+    (0.5, 0.1, 1000),
+    (0.5, 0.2, 2000),
+)
 
 
 def _clear_caches():
@@ -177,16 +206,73 @@ def jl_table(rs):
             print(f"{'':>8s} {b.reason}")
 
 
+def tightness_table(repeats):
+    from prv_accountant import PRVAccountant
+    from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
+
+    from tf_dp import accounting
+
+    print(
+        f"\n== 4. Tightness: default query against prv-accountant (eps_error {PRV_EPS_ERROR:g},"
+        f" delta_error 1e-10), delta={DELTA:g}; slack = epsilon - PRV estimate"
+    )
+    print(
+        f"{'sigma':>5s} {'q':>9s} {'steps':>6s} {'epsilon':>10s} {'bracket':>22s} {'cpu s':>6s}"
+        f" | {'PRV lower':>10s} {'PRV upper':>10s} {'slack':>9s} {'inside':>6s}"
+    )
+    for sigma, q, steps in TIGHT_REGIMES:
+        acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
+        b, cpu, _ = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
+        prv = PRVAccountant(
+            prvs=PoissonSubsampledGaussianMechanism(
+                noise_multiplier=sigma, sampling_probability=q
+            ),
+            max_self_compositions=steps,
+            eps_error=PRV_EPS_ERROR,
+            delta_error=1e-10,
+        )
+        lo, est, up = prv.compute_epsilon(delta=DELTA, num_self_compositions=steps)
+        inside = "yes" if lo <= b.upper <= up else "NO"
+        print(
+            f"{sigma:>5g} {q:>9.6g} {steps:>6d} {b.upper:>10.6f}"
+            f" {f'[{b.lower:.6f}, {b.upper:.6f}]':>22s} {cpu:>6.3f}"
+            f" | {lo:>10.6f} {up:>10.6f} {b.upper - est:>9.2e} {inside:>6s}"
+        )
+
+
+def cost_table(repeats):
+    from tf_dp import accounting
+
+    print(f"\n== 5. Cost of the default query (Gaussian), delta={DELTA:g}")
+    print(
+        f"{'sigma':>5s} {'q':>9s} {'steps':>6s} {'epsilon':>11s} {'bracket':>26s}"
+        f" {'delta':>8s} {'cpu s':>6s}"
+    )
+    for sigma, q, steps in COST_REGIMES:
+        acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
+        b, cpu, _ = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
+        print(
+            f"{sigma:>5g} {q:>9.6g} {steps:>6d} {b.upper:>11.6f}"
+            f" {f'[{b.lower:.6f}, {b.upper:.6f}]':>26s} {b.discretization:>8.2g} {cpu:>6.3f}"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--jl", default="1000000,100,30,10,5,3,2,1", help="comma-separated r")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (best kept)")
     parser.add_argument("--skip_equal_time", action="store_true")
+    parser.add_argument("--skip_tightness", action="store_true")
+    parser.add_argument("--skip_cost", action="store_true")
     args = parser.parse_args()
     default = default_table(args.repeats)
     if not args.skip_equal_time:
         equal_time_table(args.repeats, default)
     jl_table([int(x) for x in args.jl.split(",") if x])
+    if not args.skip_tightness:
+        tightness_table(args.repeats)
+    if not args.skip_cost:
+        cost_table(args.repeats)
 
 
 if __name__ == "__main__":
