@@ -96,9 +96,22 @@ CASES = {
 }
 
 
+def _cpu_runs_nchw_conv():
+    """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
+    on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
+    try:
+        tf.nn.conv2d(tf.zeros([1, 1, 3, 3]), tf.zeros([2, 2, 1, 1]), 1, "VALID",
+                     data_format="NCHW")
+        return True
+    except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
+        return False
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("strategy", ["ghost", "vmap"])
 def test_norms_and_clipped_sum_match_brute_force(name, strategy):
+    if "channels_first" in name and not _cpu_runs_nchw_conv():
+        pytest.skip("this TensorFlow build runs no channels_first Conv2D on this CPU")
     keras.utils.set_random_seed(1)
     build, x = CASES[name]
     model = build()
