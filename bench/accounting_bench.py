@@ -35,19 +35,19 @@ Q, SIGMA, STEPS, DELTA = 256 / 60000, 1.1, 14062, 1e-5
 GRID = (2e-3, 1e-3, 5e-4, 3e-4, 2e-4, 1e-4, 7e-5, 5e-5, 3e-5, 2e-5, 1.5e-5)
 REFERENCE_DISCRETIZATION = 1e-5
 BUDGETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-# (σ, q, steps) of the tightness table: tests/accounting/tight_test.py's fast regimes.
-TIGHT_REGIMES = (
-    (3.0, 0.004, 100),
-    (2.0, 0.001, 1000),
-    (2.0, 256 / 60000, 234),
-    (5.0, 0.02, 1000),
-    (3.0, 0.02, 1000),
-    (8.0, 0.1, 1000),
-    (5.0, 0.1, 1000),
-    (2.0, 1.0, 10),
-    (1.0, 1.0, 10),
-    (0.6, 1.0, 10),
-)
+def _tight_regimes():
+    """(σ, q, steps) of the tightness table: the fast regimes of
+    tests/accounting/tight_test.py, read from that file so the bench and the test cannot
+    drift apart."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tests" / "accounting" / "tight_test.py"
+    spec = importlib.util.spec_from_file_location("_tight_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.REGIMES)
+
+
 PRV_EPS_ERROR = 1e-3
 # (σ, q, steps) of the cost table: the issue's setting, then long runs and large ε.
 COST_REGIMES = (
@@ -220,7 +220,7 @@ def tightness_table(repeats):
         f"{'sigma':>5s} {'q':>9s} {'steps':>6s} {'epsilon':>10s} {'bracket':>22s} {'cpu s':>6s}"
         f" | {'PRV lower':>10s} {'PRV upper':>10s} {'slack':>9s} {'inside':>6s}"
     )
-    for sigma, q, steps in TIGHT_REGIMES:
+    for sigma, q, steps in _tight_regimes():
         acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
         b, cpu, _ = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
         prv = PRVAccountant(
