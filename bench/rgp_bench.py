@@ -122,7 +122,6 @@ def measure(model_name, config):
     import tensorflow as tf
 
     import tf_dp
-    from tf_dp.core import reparam
     from tf_dp.layers import reparametrize
 
     keras.utils.set_random_seed(0)
@@ -145,7 +144,7 @@ def measure(model_name, config):
         strategy = "vmap" if config == "dp_vmap" else "auto"
         optimizer = tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3,
                                  norm_strategy=strategy)
-        privatized = reparam.gradient_plan(model).privatized
+        privatized = tf_dp.core.carrier_for(model).privatized
         result["per_example_floats"] = int(sum(np.prod(v.shape) for v in privatized))
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -1,26 +1,44 @@
 """tf_dp: differentially private deep learning for TensorFlow 2 / Keras 3.
 
-Public optimizers are importable from the top level (``tf_dp.DPAdam``); subpackages
-(``tf_dp.keras``, ``tf_dp.data``, ``tf_dp.datasets``, ``tf_dp.accounting``, ``tf_dp.layers``)
-are loaded on first access so that ``import tf_dp.accounting`` never needs TensorFlow.
+The public API (about twenty names) is available from the top level and loaded on first
+access, so that ``import tf_dp.accounting`` never needs TensorFlow:
+
+* models: ``make_private``, ``DPModel``, ``DPSequential`` (``tf_dp.keras``);
+* optimizers: ``DPSGD``, ``DPAdam``, ``DPAdamW``, the JL aliases ``DPSGDJL``, ``DPAdamJL``,
+  ``DPAdamWJL``, and ``make_private_optimizer`` for any Keras optimizer;
+* norm strategies: ``Auto``, ``Ghost``, ``Vectorized``, ``JL`` (``NormStrategy`` the base);
+* ``register_ghost_rule`` for custom layers (docs/extending.md);
+* ``PoissonSampler`` (``tf_dp.data``), ``PrivacyAccountant`` and ``compute_epsilon``
+  (``tf_dp.accounting``).
+
+Subpackages: ``accounting``, ``core``, ``data``, ``datasets``, ``keras``, ``layers``,
+``optimizers``. docs/design.md says where each part lives.
 """
 
 import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("accounting", "analysis", "core", "data", "datasets", "keras", "layers", "optimizers")
-_OPTIMIZERS = ("DPSGD", "DPAdam", "DPAdamW", "DPSGDJL", "DPAdamJL", "DPAdamWJL",
-               "make_private_optimizer")
+_SUBMODULES = ("accounting", "core", "data", "datasets", "keras", "layers", "optimizers")
+_PUBLIC = {
+    "DPSGD": "optimizers", "DPAdam": "optimizers", "DPAdamW": "optimizers",
+    "DPSGDJL": "optimizers", "DPAdamJL": "optimizers", "DPAdamWJL": "optimizers",
+    "make_private_optimizer": "optimizers",
+    "make_private": "keras", "DPModel": "keras", "DPSequential": "keras",
+    "NormStrategy": "core", "Auto": "core", "Ghost": "core", "Vectorized": "core", "JL": "core",
+    "register_ghost_rule": "core",
+    "PoissonSampler": "data",
+    "PrivacyAccountant": "accounting", "compute_epsilon": "accounting",
+}
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"tf_dp.{name}")
-    if name in _OPTIMIZERS:
-        return getattr(importlib.import_module("tf_dp.optimizers"), name)
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"tf_dp.{_PUBLIC[name]}"), name)
     raise AttributeError(f"module 'tf_dp' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(_SUBMODULES) + list(_OPTIMIZERS) + ["__version__"])
+    return sorted(list(_SUBMODULES) + list(_PUBLIC) + ["__version__"])

@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
+import tf_dp
 from tf_dp.core import build_per_example_loss, clipped_sum, jl
 from tf_dp.keras import make_private
 from tf_dp.optimizers import DPAdamJL, DPAdamWJL, DPSGDJL
@@ -280,8 +281,8 @@ def test_projections_match_finite_differences(name, r):
     seed = _seed(11, 5)
     dirs = jl.directions(variables, r, seed)
     fd = np.stack([_central_differences(model, x, y, loss_fn, d) for d in dirs])  # (r, B)
-    _, _, projections = jl.jl_forward(model, loss_fn, x, y, None, variables, r, seed,
-                                      tf.GradientTape())
+    _, _, projections = jl.forward_projections(model, loss_fn, x, y, None, variables, dirs,
+                                               tf.GradientTape())
     np.testing.assert_allclose(projections.numpy(), fd, rtol=1e-6, atol=1e-9)
     # clipped_sum draws its directions from the same seed: M_i = sqrt(mean_j fd_ij^2).
     res = clipped_sum(model, x, y, None, loss_fn, 1e9, norm_strategy="jl", num_projections=r,
@@ -432,7 +433,7 @@ def test_clipped_sum_jl_needs_a_seed():
 def test_jl_optimizer_config_round_trip(cls):
     opt = cls(l2_norm_clip=1.5, noise_multiplier=0.7, num_projections=7, learning_rate=0.02,
               seed=42, gradient_accumulation_steps=2)
-    assert opt.norm_strategy == "jl" and opt.num_projections == 7
+    assert opt.norm_strategy == tf_dp.JL(7) and opt.num_projections == 7
     config = opt.get_config()
     json.dumps(config)  # a .keras file stores it as JSON
     assert config["num_projections"] == 7
@@ -440,7 +441,7 @@ def test_jl_optimizer_config_round_trip(cls):
     assert config["seed"] == 42 and config["gradient_accumulation_steps"] == 2
     clone = cls.from_config(config)
     assert type(clone) is cls
-    assert clone.num_projections == 7 and clone.norm_strategy == "jl"
+    assert clone.num_projections == 7 and clone.norm_strategy == tf_dp.JL(7)
     assert clone.get_config() == config
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert type(restored) is cls and restored.num_projections == 7
@@ -454,7 +455,7 @@ def test_saved_model_keeps_its_jl_optimizer(tmp_path):
     model.save(path)
     loaded = keras.models.load_model(path)
     assert type(loaded.optimizer) is DPSGDJL
-    assert loaded.optimizer.num_projections == 3 and loaded.optimizer.norm_strategy == "jl"
+    assert loaded.optimizer.num_projections == 3 and loaded.optimizer.norm_strategy == tf_dp.JL(3)
     for a, b in zip(model.get_weights(), loaded.get_weights()):
         np.testing.assert_array_equal(a, b)
 

@@ -196,7 +196,7 @@ def test_lstm_with_dropout_falls_back_to_vmap():
     x = RNG.integers(0, 20, size=(4, 9)).astype("int32")
     y = RNG.normal(size=(4, 1)).astype("float32")
     loss_fn = build_per_example_loss("mse")
-    with pytest.raises(ValueError, match="no ghost-norm formula"):
+    with pytest.raises(ValueError, match="no ghost-norm rule"):
         clipped_sum(model, x, y, None, loss_fn, 1.0, norm_strategy="ghost")
     # "auto" computes its weights' per-example gradients by the vectorized fallback.
     res = clipped_sum(model, x, y, None, loss_fn, 1.0, norm_strategy="auto")
@@ -226,7 +226,7 @@ def test_tied_weights_read_outside_their_layer_take_the_exact_fallback():
     y = RNG.integers(0, 12, size=4)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     _check(model, x, y, loss, "auto", clip=0.5)
-    with pytest.raises(ValueError, match="no ghost-norm formula"):
+    with pytest.raises(ValueError, match="no ghost-norm rule"):
         _check(model, x, y, loss, "ghost")
 
 

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
-from tf_dp.core import build_per_example_loss, clipped_sum, reparam  # noqa: E402
+from tf_dp.core import build_per_example_loss, carrier_for, clipped_sum  # noqa: E402
 from tf_dp.layers import reparametrize  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_low_rank_update_lies_in_the_carrier_spaces():
 def test_each_example_contribution_is_clipped_jointly_over_carriers_and_biases():
     x, y = _data(8)
     model = reparametrize(_plain(), rank=2)
-    plan = reparam.gradient_plan(model)
+    plan = carrier_for(model)
     kernels = {id(layer.kernel) for layer in plan.layers}
     assert not any(id(v) in kernels for v in plan.privatized)
     loss_fn = build_per_example_loss("mse")
@@ -83,16 +83,28 @@ def test_each_example_contribution_is_clipped_jointly_over_carriers_and_biases()
         assert total > 0.0099  # these examples all have norm above 0.01
 
 
+class _MasksOnly(tf_dp.core.GradientCarrier):
+    """A carrier over ``variables`` with given noise masks and no reconstruction."""
+
+    def __init__(self, variables, masks):
+        super().__init__(variables)
+        self._masks = masks
+
+    @property
+    def noise_masks(self):
+        return self._masks
+
+
 def test_lsg_noise_only_on_unfrozen_carrier_entries():
     model = reparametrize(_plain(), rank=2, sparsity=0.5)
-    plan = reparam.gradient_plan(model)
+    plan = carrier_for(model)
     masks = [m for m in plan.noise_masks if m is not None]
     assert masks and any(float(tf.reduce_min(m)) == 0.0 for m in masks)
     opt = tf_dp.DPSGD(1.0, 1.0, learning_rate=1.0, seed=3)
     shadows = [tf.Variable(tf.zeros(v.shape)) for v in plan.privatized]
     opt.build(shadows)
     zeros = [tf.zeros(v.shape) for v in plan.privatized]
-    opt.apply_private(zeros, shadows, 1.0, noise_masks=plan.noise_masks)
+    opt.apply_private(zeros, shadows, 1.0, carrier=_MasksOnly(shadows, plan.noise_masks))
     for v, m in zip(shadows, plan.noise_masks):
         moved = np.abs(v.numpy()) > 0
         if m is None:
@@ -153,7 +165,7 @@ def test_carrier_norms_and_sums_match_brute_force(kind, sparsity, strategy):
         x = rng.normal(size=(4, 7, 7, 3)).astype("float32")
     chosen = [plain.layers[0].name] + ([plain.layers[2].name] if kind == "conv_then_dense" else [])
     model = reparametrize(plain, rank=2, sparsity=sparsity, layers=chosen)
-    plan = reparam.gradient_plan(model)
+    plan = carrier_for(model)
     y = rng.integers(0, 3, size=4)
     loss_fn = build_per_example_loss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     want_norms, want_sums = _brute_norms_and_sums(model, loss_fn, x, y, plan.privatized, 0.3)

@@ -86,9 +86,9 @@ def test_config_round_trip_and_load_model(base, tmp_path):
                 "norm_strategy"):
         assert getattr(again, key) == getattr(opt, key), key
     assert float(again.learning_rate) == pytest.approx(0.02)
-    jl = cls(1.0, 1.0, num_projections=3)
+    jl = cls(1.0, 1.0, norm_strategy=tf_dp.JL(3))
     jl_again = cls.from_config(jl.get_config())
-    assert jl_again.num_projections == 3 and jl_again.norm_strategy == "jl"
+    assert jl_again.num_projections == 3 and jl_again.norm_strategy.name == "jl"
     x, y = _data()
     model = tf_dp.keras.make_private(_mlp())
     model.compile(optimizer=opt, loss="mse")
@@ -113,7 +113,7 @@ def test_bad_inputs_are_refused_with_the_argument_named():
     with pytest.raises(ValueError, match="`l2_norm_clip`"):
         make_private_optimizer(keras.optimizers.Lamb(), -1.0, 1.0)
     with pytest.raises(ValueError, match="`num_projections`"):
-        make_private_optimizer(keras.optimizers.Lamb(), 1.0, 1.0, num_projections=0)
+        make_private_optimizer(keras.optimizers.Lamb(), 1.0, 1.0, norm_strategy="jl", num_projections=0)
     opt = make_private_optimizer(keras.optimizers.RMSprop(), 1.0, 1.0)
     with pytest.raises(AttributeError, match="`noise_multiplier`"):
         opt.noise_multiplier = 0.1

@@ -157,7 +157,7 @@ def test_config_round_trip(cls, accumulation):
     config = opt.get_config()
     json.dumps(config)  # a .keras file stores it as JSON
     for key, value in [("l2_norm_clip", 1.5), ("noise_multiplier", 0.7), ("seed", 42),
-                       ("norm_strategy", "vmap")]:
+                       ("norm_strategy", "vectorized")]:
         assert config[key] == value
     # Accumulation is done by the private train step, never by Keras (whose conditional
     # apply fails under MirroredStrategy): Keras' own attribute stays None.

@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_dp.core import build_per_example_loss, clipped_sum, reparam  # noqa: E402
+from tf_dp.core import build_per_example_loss, carrier_for, clipped_sum  # noqa: E402
 from tf_dp.core.independence import (  # noqa: E402
     adapted_layers_warning,
     adapted_preprocessing_layers,
@@ -310,7 +310,7 @@ PER_EXAMPLE = {
 def test_per_example_models_pass(name):
     build, x = PER_EXAMPLE[name]
     model = build()
-    variables = reparam.gradient_plan(model).privatized
+    variables = carrier_for(model).privatized
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither a refusal nor an "unchecked" warning
         check_per_example_independence(model, x, Y, None, XENT, variables=variables)

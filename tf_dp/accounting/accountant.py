@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tf_dp.accounting import _validation, composition, pld
+from tf_dp import _validation
+from tf_dp.accounting import composition, pld
 
 # Default accuracy of ε: the bracket is refined to upper - lower ≤ EPSILON_ABS_TOLERANCE (up to
 # ε = 50) while refinement pays (`composition.refine`'s target), and counts as converged within

@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 
 from scipy import special
 
-from tf_dp.accounting import _validation, composition
+from tf_dp import _validation
+from tf_dp.accounting import composition
 from tf_dp.accounting.accountant import PrivacyAccountant
 
 _SIGMA_MIN, _SIGMA_MAX = 1e-2, 1e3

@@ -1,13 +1,12 @@
-"""The private-step pipeline: per-example norms, clipping, noise (see DESIGN.md)."""
+"""The private-step pipeline: norm strategies, gradient carriers, ghost rules, noise
+(docs/design.md)."""
 
+from tf_dp.core.carriers import GradientCarrier, LowRank, Plain, carrier_for
+from tf_dp.core.ghost import register_ghost_rule
 from tf_dp.core.losses import build_per_example_loss
-from tf_dp.core.private_step import (ClippedSum, NORM_STRATEGIES, batch_size_of, clip_factors,
-                                     clipped_sum, gaussian_noise)
+from tf_dp.core.norm_strategies import JL, Auto, ClippedSum, Ghost, NormStrategy, Vectorized
+from tf_dp.core.private_step import batch_size_of, clip_factors, clipped_sum, gaussian_noise
 
-__all__ = ["ClippedSum", "NORM_STRATEGIES", "batch_size_of", "build_per_example_loss",
-           "clip_factors", "clipped_sum", "gaussian_noise"]
-
-# Registers the ghost-norm formulas of the reparametrized layers (tf_dp.layers).
-from tf_dp.core import ghost_reparam  # noqa: E402,F401
-# ... and of Keras LSTM layers.
-from tf_dp.core import ghost_rnn  # noqa: E402,F401
+__all__ = ["JL", "Auto", "ClippedSum", "Ghost", "GradientCarrier", "LowRank", "NormStrategy",
+           "Plain", "Vectorized", "batch_size_of", "build_per_example_loss", "carrier_for",
+           "clip_factors", "clipped_sum", "gaussian_noise", "register_ghost_rule"]

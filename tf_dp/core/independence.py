@@ -47,6 +47,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _internals
+
 DEFAULT_NUM_ROWS = 8
 # Relative tolerance, norm-wise: batched kernels of different batch sizes differ by ~1e-7
 # relative per op (~1e-6 through LSTMs); mixing layers move outputs by far more.
@@ -98,7 +100,7 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
     """
     from tf_dp.core import private_step  # the known offenders keep their specific message
 
-    private_step._check_no_cross_example_layers(model)
+    private_step.check_no_cross_example_layers(model)
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 2:
         raise ValueError(f"`num_rows` must be an integer >= 2, got {num_rows!r}.")
     if not rtol > 0:
@@ -160,22 +162,20 @@ _CHECKED = weakref.WeakKeyDictionary()  # model -> architecture it last passed t
 
 def _architecture(model):
     return tuple((id(layer), layer.trainable)
-                 for layer in model._flatten_layers(include_self=True, recursive=True))
+                 for layer in _internals.all_layers(model))
 
 
 def _first_batch(x, y, sample_weight, rows=4 * DEFAULT_NUM_ROWS):
     """(x, y, sample_weight) of at most ``rows`` rows of the first batch of ``x``, or None."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     from tf_dp.data.poisson import PoissonSampler
 
     if isinstance(x, PoissonSampler):
         x, y, sample_weight = x.x, x.y, x.sample_weight
     elif isinstance(x, tf.data.Dataset):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(next(iter(x.take(1))))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(iter(x.take(1))))
     elif isinstance(x, keras.utils.PyDataset):
         batch = x[0]
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
             tuple(batch) if isinstance(batch, list) else batch)
     leaves = [t for t in tf.nest.flatten(x) if t is not None]
     if not leaves or not all(tf.is_tensor(t) or hasattr(t, "shape") for t in leaves):
@@ -497,25 +497,20 @@ def _slices_sq_norm(values, indices):
 
 def _low_precision(model):
     return any(getattr(layer, "compute_dtype", None) in ("float16", "bfloat16")
-               for layer in model._flatten_layers(include_self=True, recursive=True))
+               for layer in _internals.all_layers(model))
 
 
 def _fully_built(model):
     return model.built and all(layer.built for layer in
-                               model._flatten_layers(include_self=False, recursive=True))
+                               _internals.all_layers(model, include_self=False))
 
 
 def _seed_generators(model):
     gens = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        gens.extend(getattr(layer, "_seed_generators", []) or [])
-    try:  # unseeded keras.random calls draw from the global generator
-        from keras.src.backend.common import global_state
-        from keras.src.random import seed_generator
-
-        glob = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
-    except ImportError:  # pragma: no cover - private Keras module moved
-        glob = None
+    for layer in _internals.all_layers(model):
+        gens.extend(_internals.seed_generators(layer))
+    # Unseeded keras.random calls draw from the global generator.
+    glob = _internals.global_seed_generator()
     if glob is not None:
         gens.append(glob)
     uniq, seen = [], set()
@@ -561,11 +556,11 @@ def _replay(replay):
 
 def _stochastic_layers(model):
     out = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        own = getattr(layer, "_seed_generators", None)
+    for layer in _internals.all_layers(model):
+        own = _internals.seed_generators(layer)
         cell = getattr(layer, "cell", None)
         cells = [cell] + list(getattr(cell, "cells", []) or []) if cell is not None else []
-        if own or any(getattr(c, "_seed_generators", None) for c in cells):
+        if own or any(_internals.seed_generators(c) for c in cells):
             out.append(layer)
     return out
 
@@ -611,13 +606,13 @@ def _recorded_calls(model):
             return out
         return call
 
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    layers = list(_internals.all_layers(model))
     with _patched_calls(layers, make):
         yield calls
 
 
 def _sublayers(layer):
-    return list(layer._flatten_layers(include_self=False, recursive=False))
+    return _internals.sublayers(layer)
 
 
 def _warn_unchecked(reason, stacklevel=5):
@@ -641,10 +636,10 @@ def adapted_preprocessing_layers(model) -> list:
     """
     found = []
     inner_lookups = set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _internals.all_layers(model):
         if isinstance(layer, keras.layers.TextVectorization):
             inner_lookups.add(id(getattr(layer, "_lookup_layer", None)))
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _internals.all_layers(model):
         if id(layer) not in inner_lookups and _is_adapted(layer):
             found.append(layer)
     return found

@@ -23,17 +23,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_dp import _internals
 from tf_dp.core import vmap
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
-
-
-def validate_num_projections(num_projections):
-    """``num_projections`` (r) must be an integer >= 1."""
-    if isinstance(num_projections, bool) or not isinstance(num_projections, int):
-        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections!r}.")
-    if num_projections < 1:
-        raise ValueError(f"`num_projections` must be an integer >= 1, got {num_projections}.")
 
 
 def directions(variables, num_projections: int, seed):
@@ -50,13 +43,6 @@ def directions(variables, num_projections: int, seed):
                                                .stateless_fold_in(sj, i), dtype=v.dtype)
                     for i, v in enumerate(variables)])
     return out
-
-
-def _seed_generators(model):
-    gens = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        gens.extend(getattr(layer, "_seed_generators", []) or [])
-    return gens
 
 
 def jl_norms(projections):
@@ -79,7 +65,7 @@ def forward_projections(model, per_example_loss, x, y, sample_weight, variables,
     prims = [v.value if hasattr(v, "value") else v for v in variables]
     gens, saved = replay if replay is not None else save_random_state(model)
     projections, losses0, pred0 = [], None, None
-    with vmap._vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
+    with vmap.vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
         for j, dirs_j in enumerate(dirs):
             for g, s in zip(gens, saved):
                 g.state.assign(s)
@@ -100,17 +86,7 @@ def forward_projections(model, per_example_loss, x, y, sample_weight, variables,
 
 def save_random_state(model):
     """The model's seed generators and copies of their current states (for replay)."""
-    gens = _seed_generators(model)
+    gens = [g for layer in _internals.all_layers(model)
+            for g in _internals.seed_generators(layer)]
     return gens, [tf.identity(g.state.value) for g in gens]
 
-
-def jl_forward(model, per_example_loss, x, y, sample_weight, variables, num_projections, seed,
-               tape):
-    """r forward-mode passes over all ``variables`` with the directions drawn from ``seed``;
-    the first one is recorded by ``tape``.
-
-    Returns (per-example losses of the recorded pass, outputs, projections (r, B)).
-    """
-    dirs = directions(variables, num_projections, seed)
-    return forward_projections(model, per_example_loss, x, y, sample_weight, variables, dirs,
-                               tape)

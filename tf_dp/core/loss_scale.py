@@ -58,7 +58,7 @@ def scaled_clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_cli
     Norms and clip factors are those of the scaled gradients against ``loss_scale * C`` (in
     float32, see ``private_step.clip_factors``); dividing the clipped sums, norms and losses
     by the power of two ``loss_scale`` is exact. ``loss_scale=None`` is ``clipped_sum``.
-    ``kwargs`` go to ``clipped_sum`` (variables, norm_strategy, num_projections, seed).
+    ``kwargs`` go to ``clipped_sum`` (variables, norm_strategy, seed).
     """
     if loss_scale is None:
         return private_step.clipped_sum(model, x, y, sample_weight, per_example_loss,

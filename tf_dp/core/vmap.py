@@ -15,6 +15,8 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dp import _internals
+
 _log = logging.getLogger("tf_dp")
 
 
@@ -32,10 +34,10 @@ def _einsum_dense_call(layer):
 
 
 @contextlib.contextmanager
-def _vectorizable(model):
+def vectorizable(model):
     """Unrolls recurrent layers and routes EinsumDense through tf.einsum while tracing."""
     patched = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _internals.all_layers(model, include_self=False):
         if (type(layer) is keras.layers.EinsumDense and not getattr(layer, "lora_enabled", False)
                 and getattr(layer, "quantization_mode", None) is None
                 and "call" not in layer.__dict__):
@@ -52,7 +54,7 @@ def _vectorizable(model):
 @contextlib.contextmanager
 def _unrolled_rnns(model):
     rnns = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _internals.all_layers(model, include_self=False):
         if isinstance(layer, keras.layers.Bidirectional):
             rnns += [layer.forward_layer, layer.backward_layer]
         elif isinstance(layer, keras.layers.RNN):
@@ -106,7 +108,7 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
     elems = (x, y, sample_weight) if has_weight else (x, y)
     if mode in ("auto", "vectorize"):
         try:
-            with _vectorizable(model):
+            with vectorizable(model):
                 return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
         except Exception as err:  # pfor conversion errors surface as many types
             if mode == "vectorize":

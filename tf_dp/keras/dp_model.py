@@ -10,10 +10,10 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import independence, private_step, reparam
+from tf_dp import _internals
+from tf_dp.core import carriers, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.privacy_callback import PrivacyCallback, max_additional_steps
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
@@ -372,7 +372,7 @@ class DPTrainMixin:
                 adapted)[len("tf_dp: "):])
         independence.check_before_private_training(
             self, x, y, sample_weight, self._dp_loss,
-            variables=reparam.gradient_plan(self).privatized)
+            variables=carriers.carrier_for(self).privatized)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras peeks one distributed batch here and averages it over replicas, which fails
@@ -433,13 +433,13 @@ class DPTrainMixin:
         sums are added up and the optimizer adds noise once and records the step with the q
         the model was told (q = 1, no amplification, if it was told nothing).
         """
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         opt = _dp_optimizer_of(self.optimizer)
         if opt is None:
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
-        plan = reparam.gradient_plan(self)
-        plan.update_carriers()  # RGP: carriers of this step, from the historical update
-        variables = plan.privatized
+        carrier = carriers.carrier_for(self)
+        carrier.begin_step()  # RGP: carriers of this step, from the historical update
+        variables = carrier.privatized
         k = opt.accumulation_steps
         # One secret draw of JL directions per logical step, shared by its micro-batches.
         jl_seed = opt.next_jl_seed() if opt.num_projections is not None else None
@@ -455,9 +455,8 @@ class DPTrainMixin:
         expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
-        opt.apply_private(grads, variables, expected, sampling_probability=q,
-                          noise_masks=plan.noise_masks, to_trainable=plan.to_trainable,
-                          extra_gradients=_regularization_gradients(plan.trainable))
+        opt.apply_private(grads, variables, expected, sampling_probability=q, carrier=carrier,
+                          extra_gradients=_regularization_gradients(carrier.trainable))
         return self.get_metrics_result()
 
     def _dp_micro_step(self, x, y, sample_weight, variables, jl_seed=None):
@@ -465,8 +464,7 @@ class DPTrainMixin:
         result = loss_scale_lib.scaled_clipped_sum(
             self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip,
             loss_scale=getattr(self, "_dp_loss_scale", None), variables=variables,
-            norm_strategy=opt.norm_strategy, num_projections=opt.num_projections,
-            seed=jl_seed)
+            norm_strategy=opt.norm_strategy, seed=jl_seed)
         self._dp_update_metrics(x, y, result, sample_weight)
         return result.grads
 
@@ -500,14 +498,12 @@ class DPTrainMixin:
         else:
             included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
-        self._loss_tracker.update_state(mean_loss, sample_weight=included)
+        _internals.loss_tracker(self).update_state(mean_loss, sample_weight=included)
         self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def compile_from_config(self, config):
         """Re-compiles a loaded model (``compile`` is overridden, so Keras would skip it)."""
-        from keras.src.saving import serialization_lib
-
-        config = serialization_lib.deserialize_keras_object(config)
+        config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
@@ -628,8 +624,8 @@ _SEEDED_CAVEAT = (
 
 
 def _refuse_data_dependent_losses(model):
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if layer._losses:
+    for layer in _internals.all_layers(model):
+        if _internals.added_losses(layer):
             raise ValueError(
                 f"Layer {layer.name!r} added a loss during the forward pass (add_loss or "
                 "activity_regularizer). Such losses depend on the data but are not per-example, "
@@ -734,12 +730,10 @@ def _private_version(model):
         if model.built and not private.built and model.inputs:
             private.build(model.inputs[0].shape)
         return private
-    from keras.src.models.functional import Functional
-
-    if type(model) is Functional:
+    if _internals.is_functional(model):
         return DPModel(inputs=model.inputs, outputs=model.outputs, name=model.name)
     # Subclassed model: derive a private class so the instance keeps its own call/state.
     cls = type(model)
     private_cls = type(f"Private{cls.__name__}", (DPTrainMixin, cls), {})
-    model.__class__ = private_cls
+    _internals.give_class(model, private_cls)
     return model

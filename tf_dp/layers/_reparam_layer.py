@@ -47,6 +47,11 @@ def validate_reparam_args(rank, sparsity, power_iterations, warmup_steps, carrie
         raise ValueError(f"`seed` must be None or an integer, got {seed!r}")
 
 
+def masked(factor, mask):
+    """``factor`` (B, T, d) with its last axis multiplied by a 0/1 ``mask`` (d,) (LSG)."""
+    return factor if mask is None else factor * tf.cast(mask, factor.dtype)
+
+
 def reject_unsupported(layer_name, **options):
     """Keras options the reparametrization cannot honour (LoRA, quantization)."""
     for name, value in options.items():
@@ -231,6 +236,19 @@ class ReparamLayer(keras.layers.Layer):
         m×n residual ``W − L·R`` every call.
         """
         return low_rank_output - ops.stop_gradient(low_rank_output)
+
+    # ------------------------------------------------------------------ ghost rule helpers
+    def _ghost_carriers(self, ctx, x):
+        """(L, R, left mask or None, right mask or None) for this layer's ghost rule.
+
+        The rule reads the carriers' values through ``ctx`` (no autodiff through them: their
+        per-example gradients come from the recorded factors, masked to the kept units
+        exactly as the masked carriers' autodiff gradients are).
+        """
+        left, right = (ctx.read(c, x.dtype) for c in self.carrier_variables())
+        if not self.sparsity:
+            return left, right, None, None
+        return left, right, tf.reshape(self.left_mask, [-1]), tf.reshape(self.right_mask, [-1])
 
     # ------------------------------------------------------------------ pipeline protocol
     def _require_built(self, method):

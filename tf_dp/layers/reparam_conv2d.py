@@ -5,9 +5,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras import activations, ops
-from keras.src.ops.operation_utils import compute_conv_output_shape
 
-from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
+from tf_dp import _internals
+from tf_dp.core import ghost
+from tf_dp.layers._reparam_layer import ReparamLayer, masked as _masked, reject_unsupported
 from tf_dp.layers.lsg import unit_importances
 
 
@@ -194,8 +195,42 @@ class ReparamConv2D(ReparamLayer):
             return self.activation(outputs)
         return outputs
 
+    def ghost_call(self, ctx, inputs):
+        """Ghost rule (``tf_dp.register_ghost_rule`` protocol): as ``call``; L is a
+        convolution of the original size (im2col patches of ``x``, masked input channels),
+        R a 1x1 convolution of the hidden map (masked output channels)."""
+        if type(self).call is not ReparamConv2D.call:
+            return NotImplemented
+        x = ctx.batch_input(self, inputs)
+        left, right, m_in, m_out = self._ghost_carriers(ctx, x)
+        channels_last = self.data_format == "channels_last"
+        hidden = self._convolve(tf.stop_gradient(x), left)
+        low_rank = tf.nn.conv2d(hidden, right, strides=1, padding="VALID",
+                                data_format="NHWC" if channels_last else "NCHW")
+        z = self._convolve(x, ctx.read(self.kernel, x.dtype)) + self._carrier_term(low_rank)
+        if self.use_bias:
+            shape = (1, 1, 1, self.filters) if channels_last else (1, self.filters, 1, 1)
+            z = z + tf.reshape(ctx.read(self.bias, x.dtype), shape)
+
+        def to_last(t):
+            return t if channels_last else tf.transpose(t, [0, 2, 3, 1])
+
+        def left_a():
+            xl = to_last(x)
+            if m_in is not None:
+                xl = xl * tf.cast(m_in, xl.dtype)
+            return ghost.conv_patches(xl, self.kernel_size, self.strides, self.dilation_rate,
+                                      self.padding)
+
+        ctx.outer(self.left_carrier, hidden, left_a, lambda dz: ghost.rows(to_last(dz)))
+        ctx.outer(self.right_carrier, z, lambda: ghost.rows(to_last(hidden)),
+                  lambda dz: _masked(ghost.rows(to_last(dz)), m_out))
+        if self.use_bias:
+            ctx.direct(self.bias, z, lambda dz: tf.reduce_sum(ghost.rows(to_last(dz)), 1))
+        return self.activation(z) if self.activation is not None else z
+
     def compute_output_shape(self, input_shape):
-        return compute_conv_output_shape(
+        return _internals.conv_output_shape(
             input_shape,
             self.filters,
             self.kernel_size,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 from keras import activations, ops
 
-from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
+from tf_dp.core import ghost
+from tf_dp.layers._reparam_layer import ReparamLayer, masked as _masked, reject_unsupported
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -145,6 +147,30 @@ class ReparamDense(ReparamLayer):
         if self.activation is not None:
             x = self.activation(x)
         return x
+
+    def ghost_call(self, ctx, inputs, training=None):
+        """Ghost rule (``tf_dp.register_ghost_rule`` protocol): ``h = sg(x) L`` and
+        ``z = x sg(W) + (h R - sg(h R)) + b`` as in ``call``; L's per-example gradient is
+        ``sum_t x_t (outer) dh_t``, R's ``sum_t h_t (outer) dz_t`` (RGP Theorem 2.1), with
+        LSG's frozen rows / columns zeroed in the factors."""
+        if type(self).call is not ReparamDense.call:
+            return NotImplemented
+        x = ctx.batch_input(self, inputs)
+        left, right, m_in, m_out = self._ghost_carriers(ctx, x)
+        last = [[x.shape.rank - 1], [0]]
+        h = tf.tensordot(tf.stop_gradient(x), left, axes=last)
+        low_rank = tf.tensordot(h, right, axes=[[h.shape.rank - 1], [0]])
+        z = tf.tensordot(x, ctx.read(self.kernel, x.dtype), axes=last)
+        z = z + self._carrier_term(low_rank)
+        if self.bias is not None:
+            z = z + ctx.read(self.bias, x.dtype)
+        d, r = x.shape[-1], self.rank
+        ctx.outer(self.left_carrier, h, lambda: _masked(ghost.rows(x, d), m_in))
+        ctx.outer(self.right_carrier, z, lambda: ghost.rows(h, r),
+                  lambda dz: _masked(ghost.rows(dz), m_out))
+        if self.bias is not None:
+            ctx.direct(self.bias, z, lambda dz: tf.reduce_sum(ghost.rows(dz), axis=1))
+        return self.activation(z) if self.activation is not None else z
 
     def compute_output_shape(self, input_shape):
         output_shape = list(input_shape)

@@ -8,9 +8,23 @@ import string
 import keras
 import tensorflow as tf
 from keras import activations, initializers, ops
-from keras.src.layers.core.einsum_dense import _analyze_einsum_string
 
+from tf_dp import _internals
+from tf_dp.core.ghost.rules.einsum import bias_grad_fn, einsum_term, parse_einsum
 from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
+
+
+def _in_kernel_order(spec, mask, out=False):
+    """True when the factor a mask applies to flattens its axes in the kernel's order (the
+    order of the mask), or there is no mask."""
+    if mask is None:
+        return True
+    in_s, ker_s, out_s = spec
+    if out:
+        axes = [c for c in ker_s if c in out_s and c not in in_s]
+        return [c for c in out_s[1:] if c in axes] == axes
+    axes = [c for c in ker_s if c in in_s and c not in out_s]
+    return [c for c in in_s[1:] if c in axes] == axes
 
 
 def split_einsum_kernel_axes(equation: str) -> tuple[str, str, str, str, str]:
@@ -158,7 +172,7 @@ class ReparamEinsumDense(ReparamLayer):
         return init.__class__.from_config(config)
 
     def build(self, input_shape):
-        shape_data = _analyze_einsum_string(
+        shape_data = _internals.analyze_einsum_string(
             self.equation, self.bias_axes, input_shape, self.partial_output_shape
         )
         kernel_shape, bias_shape = shape_data[0], shape_data[1]
@@ -206,8 +220,36 @@ class ReparamEinsumDense(ReparamLayer):
             x = self.activation(x)
         return x
 
+    def ghost_call(self, ctx, inputs, training=None):
+        """Ghost rule (``tf_dp.register_ghost_rule`` protocol): as ``call``; L's and R's
+        per-example gradients are those of the two einsums (outer products over the shared
+        axes), with LSG's frozen units zeroed in the factors."""
+        if type(self).call is not ReparamEinsumDense.call:
+            return NotImplemented
+        x = ctx.batch_input(self, inputs)
+        left_spec = parse_einsum(self._left_equation, x.shape.rank)
+        kernel_spec = parse_einsum(self.equation, x.shape.rank)
+        if left_spec is None or kernel_spec is None:
+            return NotImplemented
+        left, right, m_in, m_out = self._ghost_carriers(ctx, x)
+        hidden = tf.einsum(self._left_equation, tf.stop_gradient(x), left)
+        right_spec = parse_einsum(self._right_equation, hidden.shape.rank)
+        if right_spec is None or not (_in_kernel_order(left_spec, m_in)
+                                      and _in_kernel_order(right_spec, m_out, out=True)):
+            return NotImplemented
+        low_rank = tf.einsum(self._right_equation, hidden, right)
+        z = tf.einsum(self.equation, x, ctx.read(self.kernel, x.dtype))
+        z = z + self._carrier_term(low_rank)
+        if self.bias is not None:
+            z = z + ctx.read(self.bias, x.dtype)
+        ctx.add(self.left_carrier, einsum_term(hidden, x, *left_spec, a_mask=m_in))
+        ctx.add(self.right_carrier, einsum_term(low_rank, hidden, *right_spec, g_mask=m_out))
+        if self.bias is not None:
+            ctx.direct(self.bias, z, bias_grad_fn(kernel_spec[2], self.bias_axes))
+        return self.activation(z) if self.activation is not None else z
+
     def compute_output_shape(self, input_shape):
-        shape_data = _analyze_einsum_string(
+        shape_data = _internals.analyze_einsum_string(
             self.equation, self.bias_axes, input_shape, self.partial_output_shape
         )
         return tuple(shape_data[2])

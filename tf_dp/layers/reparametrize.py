@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import keras
-from keras.src.models.functional import Functional
 
+from tf_dp import _internals
 from tf_dp.layers._reparam_layer import ReparamLayer, validate_reparam_args
 from tf_dp.layers.reparam_conv2d import ReparamConv2D
 from tf_dp.layers.reparam_dense import ReparamDense
@@ -26,7 +26,7 @@ def reparam_layers(model: keras.layers.Layer) -> list[ReparamLayer]:
     """Every reparametrized layer in ``model``, nested layers and models included."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for layer in _internals.all_layers(model)
         if isinstance(layer, ReparamLayer)
     ]
 
@@ -107,14 +107,14 @@ def reparametrize(
         )
     options.update(carrier_options)
     validate_reparam_args(rank, sparsity, **options)
-    if not isinstance(model, (keras.Sequential, Functional)):
+    if not isinstance(model, (keras.Sequential, _internals.functional_class())):
         raise ValueError(
             f"`model` must be a functional or Sequential Keras model, got {type(model).__name__}"
         )
     if not model.built:
         raise ValueError("`model` must be built (call it once or give it an Input) first")
 
-    all_layers = model._flatten_layers(include_self=False, recursive=True)
+    all_layers = _internals.all_layers(model, include_self=False)
     if layers is None:
         targets = [
             layer

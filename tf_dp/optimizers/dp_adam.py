@@ -2,7 +2,7 @@
 
 import keras
 
-from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin, validate_dp_args
+from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -19,31 +19,10 @@ class DPAdam(DPOptimizerMixin, keras.optimizers.Adam):
     that of DP-SGD with the same sigma, sampling rate and steps.
 
     Args:
-      l2_norm_clip: the clipping norm C (> 0).
-      noise_multiplier: sigma (>= 0).
+      {{dp_args}}
       learning_rate, beta_1, beta_2, epsilon, amsgrad, weight_decay: as in
         ``keras.optimizers.Adam``.
-      gradient_accumulation_steps: micro-batches per logical step (noise once per step).
-      seed: debugging only. None (default): noise from fresh OS entropy, never saved
-        or replayed. An int makes the noise a public function of the seed, so the
-        privacy guarantee does not hold (a warning says so).
-      norm_strategy: "auto", "ghost" or "vmap".
-      **kwargs: other ``keras.optimizers.Optimizer`` arguments.
+      **kwargs: other ``keras.optimizers.Optimizer`` arguments (clipnorm, use_ema, name, ...).
 
     Reference: Abadi et al. 2016 (DP-SGD); Kingma & Ba 2015 (Adam).
     """
-
-    def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001, beta_1=0.9,
-                 beta_2=0.999, epsilon=1e-7, amsgrad=False, weight_decay=None,
-                 gradient_accumulation_steps=1, seed=None, norm_strategy="auto", name="DPAdam",
-                 **kwargs):
-        validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
-                         norm_strategy, seed)
-        super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2,
-                         epsilon=epsilon, amsgrad=amsgrad, weight_decay=weight_decay, name=name,
-                         **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed, norm_strategy,
-                      gradient_accumulation_steps)
-
-    def get_config(self):
-        return {**super().get_config(), **self._dp_config()}

@@ -2,7 +2,7 @@
 
 import keras
 
-from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin, validate_dp_args
+from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
@@ -16,33 +16,11 @@ class DPAdamW(DPOptimizerMixin, keras.optimizers.AdamW):
     ```
 
     Args:
-      l2_norm_clip: the clipping norm C (> 0).
-      noise_multiplier: sigma (>= 0).
+      {{dp_args}}
       learning_rate, weight_decay, beta_1, beta_2, epsilon, amsgrad: as in
         ``keras.optimizers.AdamW``.
-      gradient_accumulation_steps: micro-batches per logical step (noise once per step);
-        Anil et al. accumulate to mega-batches this way.
-      seed: debugging only. None (default): noise from fresh OS entropy, never saved
-        or replayed. An int makes the noise a public function of the seed, so the
-        privacy guarantee does not hold (a warning says so).
-      norm_strategy: "auto", "ghost" or "vmap".
-      **kwargs: other ``keras.optimizers.Optimizer`` arguments.
+      **kwargs: other ``keras.optimizers.Optimizer`` arguments (clipnorm, use_ema, name, ...).
 
     Reference: Loshchilov & Hutter 2019 (AdamW); Anil, Ghazi, Gupta, Kumar, Manurangsi,
     "Large-Scale Differentially Private BERT", 2021.
     """
-
-    def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001, weight_decay=0.004,
-                 beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False,
-                 gradient_accumulation_steps=1, seed=None, norm_strategy="auto",
-                 name="DPAdamW", **kwargs):
-        validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
-                         norm_strategy, seed)
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1,
-                         beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad, name=name,
-                         **kwargs)
-        self._init_dp(l2_norm_clip, noise_multiplier, seed, norm_strategy,
-                      gradient_accumulation_steps)
-
-    def get_config(self):
-        return {**super().get_config(), **self._dp_config()}

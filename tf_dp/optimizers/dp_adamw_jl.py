@@ -3,15 +3,16 @@
 import keras
 
 from tf_dp.optimizers.dp_adamw import DPAdamW
-from tf_dp.optimizers.dp_optimizer import JLMixin
+from tf_dp.optimizers.dp_optimizer import JLAlias
 
 
 @keras.saving.register_keras_serializable(package="tf_dp")
-class DPAdamWJL(JLMixin, DPAdamW):
-    """DP-AdamW whose per-example gradient norms come from r JL projections.
+class DPAdamWJL(JLAlias, DPAdamW):
+    """``DPAdamW(..., norm_strategy=tf_dp.JL(num_projections))``: DP-AdamW whose
+    per-example gradient norms come from r JL projections.
 
     ```
-    v_1..v_r ~ N(0, I)                                 # fresh each step, from the seed
+    v_1..v_r ~ N(0, I)                       # fresh each step, from a secret stream
     P_ij = <grad l_i, v_j>  (forward-mode AD, one JVP per direction)
     M_i  = sqrt(mean_j P_ij^2)                         # E[M_i^2] = ||grad l_i||^2
     g    = (grad sum_i l_i / max(1, M_i / C) + N(0, sigma^2 C^2 I)) / E
@@ -33,8 +34,3 @@ class DPAdamWJL(JLMixin, DPAdamW):
     Reference: Bu, Gopi, Kulkarni, Lee, Shen, Tantipongpipat, "Fast and Memory Efficient
     Differentially Private-SGD via JL Projections", NeurIPS 2021 (Algorithm 1).
     """
-
-    def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, name="DPAdamWJL",
-                 **kwargs):
-        super().__init__(l2_norm_clip, noise_multiplier, num_projections=num_projections,
-                         name=name, **kwargs)

@@ -3,15 +3,13 @@ normalisation by the expected batch size, and the refusal to run outside a priva
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 
 import tensorflow as tf
 
+from tf_dp import _validation
 from tf_dp.core import ledger as ledger_lib
-from tf_dp.core import private_step, randomness
-from tf_dp.core.jl import validate_num_projections  # noqa: F401 (re-exported)
+from tf_dp.core import norm_strategies, private_step, randomness
 
 _PLAIN_MODEL_MESSAGE = (
     "{name} is a differentially private optimizer but was called by a plain Keras train "
@@ -20,37 +18,23 @@ _PLAIN_MODEL_MESSAGE = (
     "before compile().")
 
 
-def validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
-                     norm_strategy, seed):
-    """Raises ValueError/TypeError naming the argument for each bad DP argument.
-
-    ``l2_norm_clip = inf`` means no clipping and is only accepted with
-    ``noise_multiplier = 0`` (a non-private reference run); noise scaled by an infinite clip
-    would be infinite.
-    """
-    if isinstance(l2_norm_clip, bool) or not isinstance(l2_norm_clip, numbers.Real):
-        raise TypeError(f"`l2_norm_clip` must be a number, got {l2_norm_clip!r}.")
-    if math.isnan(l2_norm_clip) or not l2_norm_clip > 0:
-        raise ValueError(f"`l2_norm_clip` must be > 0, got {l2_norm_clip}.")
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
-        raise TypeError(f"`noise_multiplier` must be a number, got {noise_multiplier!r}.")
-    if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
-        raise ValueError(f"`noise_multiplier` must be finite and >= 0, got {noise_multiplier}.")
-    if math.isinf(l2_norm_clip) and noise_multiplier > 0:
-        raise ValueError("`l2_norm_clip` is inf (no clipping) but `noise_multiplier` is "
-                         f"{noise_multiplier}: the noise std sigma*C would be infinite.")
-    if gradient_accumulation_steps is not None and (
-            isinstance(gradient_accumulation_steps, bool)
-            or not isinstance(gradient_accumulation_steps, numbers.Integral)
-            or gradient_accumulation_steps < 1):
-        raise ValueError("`gradient_accumulation_steps` must be an integer >= 1, got "
-                         f"{gradient_accumulation_steps!r}.")
-    exact = tuple(s for s in private_step.NORM_STRATEGIES if s != "jl")
-    if norm_strategy not in exact:
-        raise ValueError(f"`norm_strategy` must be one of {exact}, got {norm_strategy!r} "
-                         "(for JL norms use DPSGDJL / DPAdamJL / DPAdamWJL).")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
+#: The DP arguments every tf_dp optimizer takes, documented once (``{{dp_args}}`` in a
+#: class docstring is replaced by this text, as Keras does for its optimizers).
+DP_ARGS_DOC = """l2_norm_clip: the clipping norm C (> 0).
+      noise_multiplier: sigma, the noise std in units of C (>= 0; 0 gives no privacy and
+        warns).
+      gradient_accumulation_steps: k >= 1 micro-batches per logical step; clipped sums are
+        accumulated and noise is added once per logical step (Anil et al. accumulate to
+        mega-batches this way; Keras' own accumulation, which would add noise k times, is
+        never used).
+      norm_strategy: how per-example norms are computed: "auto" (ghost rules where a layer
+        has one, exact vectorized gradients elsewhere; the default), "ghost", "vectorized",
+        or ``tf_dp.JL(r)`` (r JL projections, Bu et al. 2021, accounted as the JL
+        mechanism). A ``tf_dp.NormStrategy`` or its name.
+      num_projections: r, only with ``norm_strategy="jl"`` (same as ``tf_dp.JL(r)``).
+      seed: debugging only. None (default): noise from fresh OS entropy, never saved or
+        replayed. An int makes the noise a public function of the seed, so the privacy
+        guarantee does not hold (a warning says so)."""
 
 
 class DPOptimizerMixin:
@@ -69,23 +53,29 @@ class DPOptimizerMixin:
     traced step and the accountant could otherwise disagree.
     """
 
-    _dp_keys = ("l2_norm_clip", "noise_multiplier", "seed", "norm_strategy")
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ and "{{dp_args}}" in cls.__doc__:
+            cls.__doc__ = cls.__doc__.replace("{{dp_args}}", DP_ARGS_DOC)
 
-    def _init_dp(self, l2_norm_clip, noise_multiplier, seed, norm_strategy,
-                 gradient_accumulation_steps):
-        # Arguments were validated by `validate_dp_args` before the Keras base __init__.
+    def __init__(self, l2_norm_clip, noise_multiplier, *args, gradient_accumulation_steps=1,
+                 norm_strategy="auto", num_projections=None, seed=None, **kwargs):
+        # Validated before the Keras base __init__, so a bad argument never half-builds one.
+        sigma = _validation.noise_multiplier(noise_multiplier)
+        clip = _validation.l2_norm_clip(l2_norm_clip, sigma)
+        k = 1 if gradient_accumulation_steps is None else _validation.positive_int(
+            gradient_accumulation_steps, "gradient_accumulation_steps")
+        strategy = norm_strategies.get(norm_strategy, num_projections)
+        seed = _validation.seed(seed)
+        kwargs.setdefault("name", type(self).__name__)
+        super().__init__(*args, **kwargs)
         # Accumulation is done inside the private train step (one logical batch is split into
         # k micro-batches), never by Keras, so noise is added once per step on any number of
         # replicas and learning-rate schedules count logical steps.
-        num_projections = getattr(self, "_dp_pending_num_projections", None)
         object.__setattr__(self, "_dp_params", {
-            "l2_norm_clip": float(l2_norm_clip),
-            "noise_multiplier": float(noise_multiplier),
-            "norm_strategy": "jl" if num_projections is not None else norm_strategy,
-            "num_projections": num_projections,
-            "accumulation_steps": int(gradient_accumulation_steps or 1),
-            "seed": None if seed is None else int(seed),
-        })
+            "l2_norm_clip": clip, "noise_multiplier": sigma, "norm_strategy": strategy,
+            "num_projections": strategy.num_projections, "accumulation_steps": k,
+            "seed": seed})
         # Plain Python attributes holding tf.Variables: Keras and tf.train.Checkpoint track
         # neither, so no saved file holds the key, the counters or the ledger.
         object.__setattr__(self, "_dp_noise", randomness.SecretStream("noise", seed))
@@ -95,7 +85,7 @@ class DPOptimizerMixin:
         self._inside_private_step = False
         if seed is not None:
             randomness.warn_seeded(type(self).__name__, seed)
-        if noise_multiplier == 0:
+        if sigma == 0:
             warnings.warn(f"tf_dp: {type(self).__name__} has `noise_multiplier=0`: its updates "
                           "are not private (epsilon is infinite). Use it only as a non-private "
                           "reference.", UserWarning, stacklevel=3)
@@ -117,7 +107,7 @@ class DPOptimizerMixin:
     l2_norm_clip = _dp_param("l2_norm_clip")
     noise_multiplier = _dp_param("noise_multiplier")
     norm_strategy = _dp_param("norm_strategy")
-    #: r for the JL optimizers; None means exact per-example norms.
+    #: r of a JL norm strategy; None means exact per-example norms.
     num_projections = _dp_param("num_projections")
     accumulation_steps = _dp_param("accumulation_steps")
     seed = _dp_param("seed")
@@ -140,8 +130,7 @@ class DPOptimizerMixin:
         return self._dp_jl.next_seed()
 
     def apply_private(self, clipped_sums, variables, expected_batch_size,
-                      sampling_probability=None, noise_masks=None, to_trainable=None,
-                      extra_gradients=None):
+                      sampling_probability=None, carrier=None, extra_gradients=None):
         """Adds the noise of one logical step, normalises, applies and records the step.
 
         Args:
@@ -153,10 +142,10 @@ class DPOptimizerMixin:
           sampling_probability: q of this step, as a Python number, recorded in the ledger
             for the accountant. None records q = 1 (no amplification by sampling: always a
             valid bound).
-          noise_masks: optional per-variable 0/1 masks (None entries allowed): noise is
-            multiplied by them (LSG's frozen entries get none).
-          to_trainable: optional ``fn(grads, variables) -> (grads, variables)`` applied to the
-            noised gradients (post-processing), e.g. RGP's carrier-to-weight reconstruction.
+          carrier: the step's ``tf_dp.core.GradientCarrier`` when ``variables`` are its
+            privatized variables: its noise masks multiply the noise (LSG's frozen entries
+            get none) and it maps the noised gradients to the trainable variables
+            (post-processing, e.g. RGP's reconstruction). None: plain variables.
           extra_gradients: optional {id(variable): gradient} of data-independent terms
             (weight regularisers), added after privatisation.
         """
@@ -175,13 +164,13 @@ class DPOptimizerMixin:
             noise = [n * tf.cast(first_replica, n.dtype) for n in noise]
         else:
             noise = [tf.zeros(s, d) for s, d in shapes]
-        if noise_masks is not None:
+        if carrier is not None:
             noise = [n if m is None else n * tf.cast(m, n.dtype)
-                     for n, m in zip(noise, noise_masks)]
+                     for n, m in zip(noise, carrier.noise_masks)]
         scale = 1.0 / tf.cast(expected_batch_size, tf.float32)
         grads = [(g + n) * tf.cast(scale, g.dtype) for g, n in zip(clipped_sums, noise)]
-        if to_trainable is not None:
-            grads, variables = to_trainable(grads, variables)
+        if carrier is not None:
+            grads, variables = carrier.to_trainable(grads, variables)
         if extra_gradients:
             # Keras sums the replicas' gradients: each replica adds its share.
             replicas = ctx.num_replicas_in_sync if ctx is not None else 1
@@ -222,25 +211,23 @@ class DPOptimizerMixin:
             return None
         return self.seed if calls == 0 else (self.seed * 1_000_003 + calls) % (2**63)
 
-    def _dp_config(self):
-        config = {k: getattr(self, k) for k in self._dp_keys}
-        config["gradient_accumulation_steps"] = self.accumulation_steps
-        return config
-
-
-class JLMixin:
-    """Turns a tf_dp optimizer class into its JL variant: per-example norms from
-    ``num_projections`` JL projections (Bu et al. 2021) instead of exact norms."""
-
-    def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, **kwargs):
-        validate_num_projections(num_projections)
-        kwargs.pop("norm_strategy", None)
-        # Read by DPOptimizerMixin._init_dp, which the base __init__ calls.
-        object.__setattr__(self, "_dp_pending_num_projections", num_projections)
-        super().__init__(l2_norm_clip, noise_multiplier, **kwargs)
-
     def get_config(self):
         config = super().get_config()
-        config["num_projections"] = self.num_projections
-        config.pop("norm_strategy", None)
+        config.update({"l2_norm_clip": self.l2_norm_clip,
+                       "noise_multiplier": self.noise_multiplier,
+                       "gradient_accumulation_steps": self.accumulation_steps,
+                       **self.norm_strategy.get_config(), "seed": self.seed})
         return config
+
+
+class JLAlias:
+    """Makes ``DP<Name>JL(C, sigma, num_projections=r)`` the optimizer ``DP<Name>`` with
+    ``norm_strategy=tf_dp.JL(r)``: kept for the README's ``DPAdamJL(...)``."""
+
+    def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, **kwargs):
+        given = kwargs.pop("norm_strategy", "jl")
+        if given not in ("jl", norm_strategies.JL(num_projections)):
+            raise ValueError(f"`norm_strategy` of {type(self).__name__} is JL("
+                             f"num_projections), got {given!r}; use the exact optimizer.")
+        super().__init__(l2_norm_clip, noise_multiplier,
+                         norm_strategy=norm_strategies.JL(num_projections), **kwargs)

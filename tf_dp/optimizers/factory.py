@@ -19,8 +19,7 @@ import threading
 
 import keras
 
-from tf_dp.core.jl import validate_num_projections
-from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin, validate_dp_args
+from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 _CLASSES = {}
 _LOCK = threading.Lock()
@@ -37,15 +36,7 @@ _DOC = """Differentially private {base}: per-example clipping and Gaussian noise
     private model (``tf_dp.keras.make_private``).
 
     Args:
-      l2_norm_clip: the clipping norm C (> 0).
-      noise_multiplier: sigma, noise std in units of C (>= 0; 0 gives no privacy).
-      gradient_accumulation_steps: k >= 1 micro-batches per logical step; noise is added once
-        per logical step (Keras' own accumulation is never used: it would add noise k times).
-      norm_strategy: "auto", "ghost" or "vmap" (exact per-example norms).
-      num_projections: None (exact norms) or r >= 1: norms estimated by r JL projections
-        (Bu et al. 2021), accounted as the JL mechanism.
-      seed: debugging only; an int makes the noise a public function of the seed, so the
-        privacy guarantee does not hold (a warning says so).
+      {{{{dp_args}}}}
       **kwargs: the arguments of ``keras.optimizers.{base}`` (learning rate, ...).
 
     Reference: Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
@@ -70,29 +61,8 @@ def private_class(base: type) -> type:
             return _CLASSES[base]
         name = f"DP{base.__name__}"
 
-        def __init__(self, l2_norm_clip, noise_multiplier, gradient_accumulation_steps=1,
-                     norm_strategy="auto", num_projections=None, seed=None, **kwargs):
-            validate_dp_args(l2_norm_clip, noise_multiplier, gradient_accumulation_steps,
-                             norm_strategy, seed)
-            if num_projections is not None:
-                validate_num_projections(num_projections)
-                object.__setattr__(self, "_dp_pending_num_projections", num_projections)
-            kwargs.setdefault("name", name)
-            base.__init__(self, **kwargs)
-            self._init_dp(l2_norm_clip, noise_multiplier, seed, norm_strategy,
-                          gradient_accumulation_steps)
-
-        def get_config(self):
-            config = {**base.get_config(self), **self._dp_config()}
-            config["num_projections"] = self.num_projections
-            if self.num_projections is not None:
-                config["norm_strategy"] = "auto"  # "jl" is implied by num_projections
-            return config
-
         cls = type(name, (DPOptimizerMixin, base), {
-            "__init__": __init__, "get_config": get_config,
-            "__doc__": _DOC.format(base=base.__name__),
-            "__module__": __name__})
+            "__doc__": _DOC.format(base=base.__name__), "__module__": __name__})
         cls = keras.saving.register_keras_serializable(package="tf_dp", name=name)(cls)
         _CLASSES[base] = cls
         return cls
@@ -111,8 +81,8 @@ def make_private_optimizer(optimizer, l2_norm_clip, noise_multiplier, **dp_kwarg
       optimizer: a ``keras.optimizers.Optimizer`` instance (not yet used for training) or
         class.
       l2_norm_clip, noise_multiplier: C and sigma.
-      **dp_kwargs: ``gradient_accumulation_steps``, ``norm_strategy``, ``num_projections``,
-        ``seed`` (see ``private_class``).
+      **dp_kwargs: ``gradient_accumulation_steps``, ``norm_strategy`` (e.g.
+        ``tf_dp.JL(5)``), ``seed`` (see ``tf_dp.optimizers.DP_ARGS_DOC``).
 
     Raises:
       TypeError: for anything but a Keras optimizer; ValueError: if the optimizer uses

@@ -1,4 +1,9 @@
-"""Argument checks shared by the accounting API (ValueError naming the argument and its value)."""
+"""Every argument check of tf_dp, in one message style and without TensorFlow.
+
+Each check raises ``ValueError`` naming the argument in backticks and the value it got
+(``ValueError: `l2_norm_clip` must be > 0, got -1.0``) and returns the value normalised.
+``tf_dp.accounting`` uses it too, so it must not import TensorFlow.
+"""
 
 from __future__ import annotations
 
@@ -40,18 +45,14 @@ def count(value: int) -> int:
     return int(value)
 
 
-def num_projections(value: Optional[int]) -> Optional[int]:
-    """None means exact clipping; otherwise an integer r >= 1."""
-    if value is None:
+def num_projections(value: Optional[int], allow_none: bool = True) -> Optional[int]:
+    """r, the number of JL projections: an integer >= 1 (None means exact clipping when
+    ``allow_none``)."""
+    if value is None and allow_none:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"`num_projections` must be None or an integer >= 1, got {value!r}.")
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        if not float(value).is_integer():
-            raise ValueError(f"`num_projections` must be an integer >= 1, got {value!r}.")
-        value = int(value)
-    if not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"`num_projections` must be None or an integer >= 1, got {value!r}.")
+    what = "None or an integer >= 1" if allow_none else "an integer >= 1"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`num_projections` must be {what}, got {value!r}.")
     return int(value)
 
 
@@ -78,3 +79,30 @@ def positive_epsilon(value: float, name: str = "target_epsilon") -> float:
     if value <= 0:
         raise ValueError(f"`{name}` must be > 0, got {value!r}.")
     return value
+
+
+def positive_int(value: int, name: str) -> int:
+    """An integer >= 1 (``gradient_accumulation_steps``, ``dataset_size``, ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def l2_norm_clip(value: float, noise: float = None) -> float:
+    """C > 0; C = inf (no clipping) only with no noise (a non-private reference run: noise
+    scaled by an infinite clip would be infinite)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"`l2_norm_clip` must be a number > 0, got {value!r}.")
+    if not value > 0:
+        raise ValueError(f"`l2_norm_clip` must be > 0, got {value!r}.")
+    if math.isinf(value) and noise:
+        raise ValueError(f"`l2_norm_clip` is inf (no clipping) but `noise_multiplier` is "
+                         f"{noise!r}: the noise std sigma*C would be infinite.")
+    return float(value)
+
+
+def seed(value) -> Optional[int]:
+    """None (fresh OS entropy, the default) or an int (debugging only)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"`seed` must be an int or None, got {value!r}.")
+    return None if value is None else int(value)

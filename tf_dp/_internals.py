@@ -1,0 +1,151 @@
+"""The one place tf_dp touches private Keras / TensorFlow names.
+
+Everything else in tf_dp uses public API. Each entry says why the private name is needed and
+what public API would replace it; when Keras changes one of them, this file is the only one
+to edit (and ``scripts/keras_range.sh`` the check that finds out, at both ends of the
+supported Keras range stated in setup.py).
+
+Not expressible as a function here: ``tf_dp.keras.dp_model.DPTrainMixin`` overrides Keras'
+private ``Trainer._maybe_symbolic_build`` (Keras averages a peeked distributed batch over
+replicas, which fails for Poisson batches that do not split evenly; no public hook).
+"""
+
+from __future__ import annotations
+
+
+def all_layers(layer, include_self: bool = True) -> list:
+    """Every layer nested in ``layer`` (depth first), each once.
+
+    Private: ``Layer._flatten_layers``. Public replacement: none for arbitrary layers
+    (``Model.layers`` lists the top level only).
+    """
+    return list(layer._flatten_layers(include_self=include_self, recursive=True))
+
+
+def sublayers(layer) -> list:
+    """The layers directly tracked by ``layer`` (its attributes that are layers).
+
+    Private: ``Layer._flatten_layers(recursive=False)``. Public replacement: none.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def seed_generators(layer) -> list:
+    """The ``keras.random.SeedGenerator``s a layer owns (dropout and other random layers),
+    replayed so that several passes of one step see the same random masks.
+
+    Private: ``Layer._seed_generators``. Public replacement: none (a layer's generators are
+    not listed by ``layer.variables`` as generators).
+    """
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
+def global_seed_generator():
+    """The generator unseeded ``keras.random`` calls draw from (None if not created yet).
+
+    Private: ``keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR`` in Keras' global
+    state. Public replacement: none.
+    """
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+    except ImportError:  # pragma: no cover - moved in a future Keras
+        return None
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def added_losses(layer) -> list:
+    """Losses the layer added in its last call (``add_loss``, activity regularisers),
+    without the weight regularisers ``layer.losses`` also lists.
+
+    Private: ``Layer._losses``. Public replacement: none separates the two.
+    """
+    return list(getattr(layer, "_losses", None) or [])
+
+
+def loss_tracker(model):
+    """The ``keras.metrics.Mean`` behind the "loss" entry of the training logs.
+
+    Private: ``Trainer._loss_tracker``. Public replacement: none (``compute_loss`` updates it
+    with a scalar loss of the whole batch, which the private step never forms).
+    """
+    return model._loss_tracker
+
+
+def causal_padding(layer):
+    """The padding of a ``padding="causal"`` Conv1D, as a ``tf.pad`` argument.
+
+    Private: ``BaseConv._compute_causal_padding``. Public replacement: none.
+    """
+    return layer._compute_causal_padding()
+
+
+def reshape_into_groups(layer, x):
+    """``x`` reshaped by a ``GroupNormalization`` into (..., groups, channels per group).
+
+    Private: ``GroupNormalization._reshape_into_groups``. Public replacement: none (the
+    reshape is simple, but reusing Keras' keeps the rule exactly the layer's own).
+    """
+    return layer._reshape_into_groups(x)
+
+
+def analyze_einsum_string(equation, bias_axes, input_shape, output_shape):
+    """Kernel and bias shapes of an ``EinsumDense`` equation (what its ``build`` uses).
+
+    Private: ``keras.src.layers.core.einsum_dense._analyze_einsum_string``. Public
+    replacement: build a throw-away ``keras.layers.EinsumDense`` and read its weights'
+    shapes (slower; creates variables).
+    """
+    from keras.src.layers.core.einsum_dense import _analyze_einsum_string
+
+    return _analyze_einsum_string(equation, bias_axes, input_shape, output_shape)
+
+
+def conv_output_shape(input_shape, filters, kernel_size, strides, padding, data_format,
+                      dilation_rate):
+    """The output shape of a convolution (what Keras' ``Conv`` layers compute).
+
+    Private: ``keras.src.ops.operation_utils.compute_conv_output_shape``. Public
+    replacement: ``keras.ops.conv`` on a ``keras.KerasTensor`` (needs a kernel tensor).
+    """
+    from keras.src.ops.operation_utils import compute_conv_output_shape
+
+    return compute_conv_output_shape(input_shape, filters, kernel_size, strides=strides,
+                                     padding=padding, data_format=data_format,
+                                     dilation_rate=dilation_rate)
+
+
+def is_functional(model) -> bool:
+    """True for a model built as ``keras.Model(inputs, outputs)`` (not subclassed).
+
+    Private: ``keras.src.models.functional.Functional``. Public replacement: none
+    (``keras.Model(...)`` returns that class; it is not exported).
+    """
+    from keras.src.models.functional import Functional
+
+    return type(model) is Functional
+
+
+def functional_class():
+    """``keras.src.models.functional.Functional`` (see ``is_functional``)."""
+    from keras.src.models.functional import Functional
+
+    return Functional
+
+
+def give_class(obj, cls) -> None:
+    """Re-classes ``obj`` as ``cls`` (a subclass of its own class, adding no state).
+
+    Used by ``tf_dp.keras.make_private`` for subclassed models, whose ``call`` and state
+    cannot be rebuilt from a config. Not a private name, but outside Keras' public contract;
+    public replacement: subclass ``tf_dp.keras.DPModel`` instead of ``keras.Model``.
+    """
+    if not issubclass(cls, type(obj)):
+        raise TypeError(f"{cls.__name__} is not a subclass of {type(obj).__name__}.")
+    obj.__class__ = cls
+
+
+__all__ = ["added_losses", "all_layers", "analyze_einsum_string", "causal_padding",
+           "conv_output_shape", "functional_class", "give_class", "global_seed_generator",
+           "is_functional", "loss_tracker", "reshape_into_groups", "seed_generators",
+           "sublayers"]

@@ -1,0 +1,75 @@
+"""Exact per-example gradient norms from layer inputs and output gradients ("ghost norms").
+
+During one captured forward pass (``capture``) every layer with a ghost rule records, for
+each weight it uses, a term describing that weight's per-example gradient in factored form
+(``terms``). One backward pass to the recorded outputs gives the factors of every weight
+(``factors``), from which the norms, JL projections and the clipped sum ``sum_i w_i g_i``
+are formed without per-example gradients ("book-keeping", Bu et al. 2022, "Differentially
+Private Optimization on Large Model at Small Cost"). Every norm comes with an upper bound of
+what the sum adds for the example, rounding included (``precision``), so each example's
+contribution is bounded by the clipping norm for any input.
+
+Rules live one file per layer family in ``rules/`` and are registered when this package is
+imported; users add their own with ``tf_dp.register_ghost_rule`` (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dp.core.ghost.capture import GhostContext, capturable_layers, capture
+from tf_dp.core.ghost.factors import (FactorOptions, Factors, MaterialisedFactors,
+                                      combined_norms, factors_for)
+from tf_dp.core.ghost.precision import (accumulation_dtype, computes_in_float16,
+                                        weighted_per_example_sum)
+from tf_dp.core.ghost.registry import register_ghost_rule, registered_classes, rule_for
+from tf_dp.core.ghost.terms import DirectTerm, EmbeddingTerm, OuterTerm, conv_patches, rows
+
+
+def backward(ctx: GhostContext, tape: tf.GradientTape, total_loss,
+             options: FactorOptions = FactorOptions()):
+    """One backward pass to the recorded outputs: the factors of every covered weight.
+
+    Output gradients reach the factors in float32 (float64 for float64 models) whatever the
+    compute dtype. A weight is not covered (left to the vectorized fallback) when one of its
+    recorded outputs gets no gradient (used inside a loop the tape cannot see into), when
+    its handle gets a gradient of its own (it was also used outside every rule, see
+    ``capture``), or when its terms cannot describe it.
+
+    Returns {id(variable): Factors} for the covered weights.
+    """
+    entries = ctx.terms()
+    if not entries:
+        return {}
+    zs = ctx.outputs()
+    handles = [_handle(v) for v, _ in entries.values()]
+    grads = tape.gradient(total_loss, zs + handles,
+                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+    dz_map = {id(z): dz for z, dz in zip(zs, grads[:len(zs)])}
+
+    def dz_of(t):
+        dz = tf.convert_to_tensor(dz_map[id(t.z)])
+        return tf.cast(dz, accumulation_dtype(dz.dtype))
+
+    out = {}
+    for (key, (var, terms)), outside in zip(entries.items(), grads[len(zs):]):
+        if outside is not None or any(dz_map[id(t.z)] is None for t in terms):
+            continue
+        factors = factors_for(var, terms, dz_of, options)
+        if factors is not None:
+            out[key] = factors
+    return out
+
+
+def _handle(variable):
+    return variable.value if hasattr(variable, "value") else variable
+
+
+# Registers the built-in rules (one module per layer family).
+from tf_dp.core.ghost import rules  # noqa: E402,F401
+
+__all__ = ["DirectTerm", "EmbeddingTerm", "FactorOptions", "Factors", "GhostContext",
+           "MaterialisedFactors", "OuterTerm", "accumulation_dtype", "backward",
+           "capturable_layers", "capture", "combined_norms", "computes_in_float16",
+           "conv_patches", "factors_for", "register_ghost_rule", "registered_classes", "rows",
+           "rule_for", "weighted_per_example_sum"]

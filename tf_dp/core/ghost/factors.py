@@ -1,0 +1,266 @@
+"""Per-weight factors: a weight's per-example norms, JL projections and clipped sum.
+
+``factors_for`` turns the terms a capture recorded for one weight (``terms.py``) into one
+object with the same interface whatever the layer:
+
+* ``sq``, ``bound``: (B,) float64 squared norms and an upper bound of the norm of what
+  ``weighted_sum`` adds per unit weight, rounding included (exact strategies only);
+* ``project(directions)``: ``<g_i, v_j>`` for JL directions (r, *shape) -> (r, B);
+* ``weighted_sum(w)``: ``sum_i w_i g_i`` in the weight's shape.
+
+Variants are subclasses: ``OuterFactors`` (ghost Gram norms or materialised products),
+``EmbeddingFactors`` (row sums of equal token ids) and ``MaterialisedFactors`` (a
+per-example gradient formed outright: direct terms, mixed uses, the vectorized fallback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tf_dp.core.ghost import precision
+from tf_dp.core.ghost.precision import gamma
+from tf_dp.core.ghost.terms import EmbeddingTerm, OuterTerm
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorOptions:
+    """How factors are formed.
+
+    exact_norms: form ``sq`` and ``bound`` (False for JL norms: only projections are used).
+    num_projections: r, for the choice between projecting factors and materialising.
+    drop_non_finite: examples of weight 0 add nothing to weighted sums even if their factors
+      are inf or NaN (float16 backward passes can overflow).
+    """
+
+    exact_norms: bool = True
+    num_projections: int = 1
+    drop_non_finite: bool = False
+
+
+class Factors:
+    """One weight's per-example gradients in whatever form is cheapest (see module doc)."""
+
+    sq = None
+    bound = None
+
+    def __init__(self, variable, options: FactorOptions):
+        self.variable = variable
+        self.options = options
+
+    def project(self, directions):
+        """``P[j, i] = <g_i, v_j>`` for directions (r, *variable.shape) -> (r, B)."""
+        raise NotImplementedError
+
+    def weighted_sum(self, w):
+        """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
+
+        ``w`` is cast to that dtype, never to a lower-precision compute dtype: a factor
+        rounded up would let a clipped example exceed the clipping norm.
+        """
+        raise NotImplementedError
+
+
+class MaterialisedFactors(Factors):
+    """Per-example gradients ``per`` (B, ...) formed outright."""
+
+    def __init__(self, variable, per, options: FactorOptions):
+        super().__init__(variable, options)
+        self.per = per
+        if options.exact_norms:
+            self.sq, self.bound = precision.materialised_norms(per)
+
+    def project(self, directions):
+        r = directions.shape[0]
+        v = tf.reshape(tf.cast(directions, self.per.dtype), [r, -1])
+        return tf.matmul(v, precision.flat_per_example(self.per), transpose_b=True)
+
+    def weighted_sum(self, w):
+        flat = precision.weighted_per_example_sum(
+            w, precision.flat_per_example(self.per), self.options.drop_non_finite)
+        return tf.reshape(flat, self.variable.shape)
+
+
+def _use_ghost(a, g):
+    """Ghost (B*T^2) vs materialised (B*d*p) by static shapes; ghost when T is unknown."""
+    t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
+    if t is None or d is None or p is None:
+        return True
+    return t * t <= d * p
+
+
+#: per-example gradients of at most this many entries per example may be materialised for
+#: JL projections even when the projected factors would take less memory.
+_MATERIALISE_MAX_ENTRIES = 1 << 16
+
+
+def _materialise_for_projection(a, g, num_projections):
+    """JL projections of an outer-product term: materialise the per-example gradient
+    (B, d, p) only when that takes fewer flops (B*T*d*p + r*B*d*p against r*B*T*d*p for
+    projecting the factors, i.e. (r - 1)(T - 1) > 1) and its memory is small, or no larger
+    than one projected factor (B, T, min(d, p)) per direction."""
+    t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
+    if t is None or d is None or p is None:
+        return False
+    r = num_projections
+    if (r - 1) * (t - 1) <= 1:
+        return False
+    return d * p <= max(_MATERIALISE_MAX_ENTRIES, r * t * min(d, p))
+
+
+def _concat_factors(terms, dz_of):
+    fac = [t.factors(dz_of(t)) for t in terms]
+    if len(fac) == 1:
+        return fac[0]
+    return tf.concat([f[0] for f in fac], axis=1), tf.concat([f[1] for f in fac], axis=1)
+
+
+def _split_wide(wide_mask, w, wf):
+    """(indices of the ill-conditioned examples, their float64 weights (n, 1, 1), ``wf`` with
+    them zeroed): those examples are summed in float64, the others in float32."""
+    wide = tf.where(wide_mask)
+    w64 = tf.cast(tf.gather_nd(w, wide), tf.float64)[:, None, None]
+    return wide, w64, tf.where(wide_mask, tf.zeros_like(wf), wf)
+
+
+class OuterFactors(Factors):
+    """``g_i = sum_t a_it (outer) g_it``: norms from float64 Gram matrices (B*T^2) or from
+    the materialised product (B*d*p), whichever is cheaper (Goodfellow 2015; Li et al. 2022,
+    "Large language models can be strong differentially private learners", Sec. 4); the
+    clipped sum from the same factors (Bu et al. 2022, "book-keeping")."""
+
+    def __init__(self, variable, a, g, options: FactorOptions):
+        super().__init__(variable, options)
+        self.a, self.g = a, g
+        self.per = None
+        self.wide = None  # (B,) bool: examples whose weighted sum is formed in float64
+        if options.exact_norms and _use_ghost(a, g):
+            self._gram_norms()
+        elif options.exact_norms or _materialise_for_projection(a, g,
+                                                                options.num_projections):
+            self.per = tf.einsum("btd,btp->bdp", a, g)
+            if options.exact_norms:
+                self.sq, self.bound = precision.materialised_norms(self.per)
+
+    def _gram_norms(self):
+        a, g = self.a, self.g
+        self.sq, upper, l1 = precision.gram_norms(a, g)
+        # The weighted sum contracts over t in one product: its rounding for example i is at
+        # most gamma_{T+1} w_i l1_i (products w_i a_t and (w_i a_t) g_t, T-1 additions), of
+        # which 2u w_i ||g_i|| is the final products' share.
+        norm, steps = tf.sqrt(upper), tf.shape(a)[1] + 1
+        u = precision.unit_roundoff(a.dtype)
+        slack = tf.maximum(gamma(steps, a.dtype) * l1 - 2.0 * u * norm, 0.0)
+        if a.dtype != tf.float64:
+            self.wide = precision.ill_conditioned(norm, slack)
+            # ... in float64 then (rounded once to float32: the products' share), and their
+            # norms exactly, without the Gram form's kappa^2.
+            wide = tf.where(self.wide)
+            sq_w, norm_w = precision.exact_outer_norms(
+                tf.gather_nd(a, wide), tf.gather_nd(g, wide), tf.gather_nd(l1, wide))
+            self.sq = tf.tensor_scatter_nd_update(self.sq, wide, sq_w)
+            norm = tf.tensor_scatter_nd_update(norm, wide, norm_w)
+            slack = tf.where(self.wide, gamma(steps, tf.float64) * l1, slack)
+        self.bound = norm + slack
+
+    def project(self, directions):
+        if self.per is not None:
+            return MaterialisedFactors.project(self, directions)
+        # One direction at a time: the peak is one projected factor, not r of them.
+        r, d, p = directions.shape[0], self.a.shape[-1], self.g.shape[-1]
+        v = tf.reshape(tf.cast(directions, self.a.dtype), [r, d, p])
+        if p <= d:
+            return tf.stack([tf.einsum("btp,btp->b", tf.einsum("btd,dp->btp", self.a, v[j]),
+                                       self.g) for j in range(r)])
+        return tf.stack([tf.einsum("btd,btd->b", tf.einsum("btp,dp->btd", self.g, v[j]),
+                                   self.a) for j in range(r)])
+
+    def weighted_sum(self, w):
+        if self.per is not None:
+            return MaterialisedFactors.weighted_sum(self, w)
+        drop = self.options.drop_non_finite
+        a = precision.drop_examples(self.a, w) if drop else self.a
+        g = precision.drop_examples(self.g, w) if drop else self.g
+        wf = tf.cast(w, g.dtype)
+        if self.wide is not None:
+            wide, w64, wf = _split_wide(self.wide, w, wf)
+        out = tf.einsum("btd,btp->dp", a * wf[:, None, None], g)
+        if self.wide is not None:
+            out += tf.cast(tf.einsum("btd,btp->dp",
+                                     tf.cast(tf.gather_nd(a, wide), tf.float64) * w64,
+                                     tf.cast(tf.gather_nd(g, wide), tf.float64)), out.dtype)
+        return tf.reshape(out, self.variable.shape)
+
+
+class EmbeddingFactors(Factors):
+    """Rows ``ids[i, t]`` receive ``g[i, t]``: norms from row sums of equal ids, the clipped
+    sum by one segment sum."""
+
+    def __init__(self, variable, ids, g, options: FactorOptions):
+        super().__init__(variable, options)
+        self.ids, self.g = ids, g
+        self.wide = None
+        if options.exact_norms:
+            self.sq, self.bound, self.wide = precision.embedding_norms(ids, g)
+
+    def project(self, directions):
+        r = directions.shape[0]
+        v = tf.cast(directions, self.g.dtype)
+        return tf.stack([tf.einsum("btd,btd->b", tf.gather(v[j], self.ids), self.g)
+                         for j in range(r)])
+
+    def weighted_sum(self, w):
+        drop = self.options.drop_non_finite
+        g = precision.drop_examples(self.g, w) if drop else self.g
+        wf = tf.cast(w, g.dtype)
+        if self.wide is not None:
+            wide, w64, wf = _split_wide(self.wide, w, wf)
+        rows_out, width = self.variable.shape[0], self.variable.shape[-1]
+        out = tf.math.unsorted_segment_sum(tf.reshape(g * wf[:, None, None], [-1, width]),
+                                           tf.reshape(self.ids, [-1]), rows_out)
+        if self.wide is not None:
+            ids, pos = tf.unique(tf.reshape(tf.gather_nd(self.ids, wide), [-1]))
+            part = tf.math.unsorted_segment_sum(
+                tf.reshape(tf.cast(tf.gather_nd(g, wide), tf.float64) * w64, [-1, width]),
+                pos, tf.shape(ids)[0])
+            out = tf.tensor_scatter_nd_add(out, ids[:, None], tf.cast(part, out.dtype))
+        return out
+
+
+def factors_for(variable, terms, dz_of, options: FactorOptions):
+    """The factors of ``variable`` from its recorded ``terms`` (``dz_of(term)`` gives a
+    term's output gradient), or None when they cannot describe it (an embedding table also
+    used by another layer): the variable is then left to the vectorized fallback."""
+    kinds = {type(t) for t in terms}
+    if kinds == {OuterTerm}:
+        a, g = _concat_factors(terms, dz_of)
+        return OuterFactors(variable, a, g, options)
+    if kinds == {EmbeddingTerm}:
+        ids, g = _concat_factors(terms, dz_of)
+        return EmbeddingFactors(variable, ids, g, options)
+    per = None
+    for t in terms:
+        p = t.per_example(dz_of(t))
+        if p is None:
+            return None
+        p = precision.flat_per_example(p)
+        per = p if per is None else per + p
+    return MaterialisedFactors(variable, per, options)
+
+
+def combined_norms(factors, like):
+    """Per-example norms and their bounds over several weights' ``factors``.
+
+    ``like``: a (B,) tensor (zeros come out when there is no weight).
+    Returns (norms, bounds), (B,) float64: ``bounds[i]`` bounds the norm of everything the
+    weighted sums add for example i per unit weight (``sqrt(sum_v bound_v^2)``, the norm of a
+    concatenation of parts each bounded by ``bound_v``).
+    """
+    if not factors:
+        zeros = tf.zeros_like(tf.cast(like, tf.float64))
+        return zeros, zeros
+    sq = tf.add_n([f.sq for f in factors])
+    bound_sq = tf.add_n([tf.square(f.bound) for f in factors])
+    # sqrt(sum of V squares) in float64: relative error far below float32's.
+    return tf.sqrt(sq), tf.sqrt(bound_sq) * (1.0 + gamma(len(factors) + 4, tf.float64))

@@ -1,0 +1,248 @@
+"""Rounding-aware per-example norms: every norm comes with an upper bound of what the
+weighted sum it describes adds for the example, rounding included.
+
+What bounds an example's contribution is w_i times the norm of its gradient *as the weighted
+sum forms it*. So the factors are brought to float32 (float64 for float64 models) before any
+norm or sum: float16 Gram entries overflow at 65504 and bfloat16 keeps 8 bits. Every norm
+comes with an upper bound that accounts for the rounding of its own computation and of the
+sum it describes, from the classical bound for a sum of n terms computed in any order: off
+by at most gamma_{n-1} times the sum of their absolute values, gamma_n = n u / (1 - n u)
+(Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed. 2002, Sec. 3.1 and 4.2).
+The Gram form sum((A A^T) * (G G^T)) squares the conditioning of sum_t a_t g_t^T: with
+kappa = sum_t ||a_t|| ||g_t|| / ||A^T G||, float32 loses kappa^2 u32 of the squared norm (it
+even goes negative), so Gram matrices are formed in float64. The fused float32 weighted sum
+is off by up to gamma_{T+1} kappa of the norm: the rare examples for which that exceeds
+_FLOAT32_SUM_MAX_SLACK (kappa above ~50 for T = 32) have their sum formed in float64 and
+their norm from their own float64 matrix, one example at a time, so that neither bound
+lowers their clip factor by more than that.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dp import _internals
+
+
+def flat_per_example(t):
+    """(B, ...) -> (B, n), with n static whenever t's non-batch shape is (a -1 would lose it
+    when the batch is unknown)."""
+    n = t.shape[1:].num_elements() if t.shape.rank is not None else None
+    return tf.reshape(t, [tf.shape(t)[0], -1 if n is None else n])
+
+
+_UNIT_ROUNDOFF = {tf.float16: 2.0**-11, tf.bfloat16: 2.0**-8, tf.float32: 2.0**-24,
+                  tf.float64: 2.0**-53}
+
+#: float32 squares are summed in blocks of at most this many (relative error at most
+#: gamma_32 = 1.9e-6 of the squared norm), the block sums in float64: a rigorous bound
+#: without casting the per-example gradients, often the largest tensors of the step, to
+#: float64 (which took 3x as long as this on CPU).
+_SQUARES_BLOCK = 32
+
+#: float32 flushes results below its smallest normal number to zero on CPUs.
+_FLUSH_FLOAT32 = 2.0**-126
+
+
+def accumulation_dtype(dtype):
+    """The dtype of norms' inputs and weighted sums: float64 for float64, else float32."""
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def computes_in_float16(model) -> bool:
+    """Whether a layer of ``model`` computes in float16 (its own policy counts: a wrapper
+    made by ``make_private`` outside the policy scope keeps float32 at the model level)."""
+    return any(getattr(layer, "compute_dtype", None) == "float16"
+               for layer in _internals.all_layers(model))
+
+
+def unit_roundoff(dtype) -> float:
+    """u = 2^-p of a float dtype with p significand bits (round to nearest)."""
+    return _UNIT_ROUNDOFF[tf.as_dtype(dtype)]
+
+
+def gamma(n, dtype):
+    """gamma_n = n u / (1 - n u) as float64 (n may be a tensor); inf when n u >= 1/2."""
+    nu = tf.cast(n, tf.float64) * unit_roundoff(dtype)
+    return tf.where(nu < 0.5, nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
+
+
+def _block_size(n):
+    """The largest divisor of n that is at most _SQUARES_BLOCK."""
+    return next(k for k in range(min(n, _SQUARES_BLOCK), 0, -1) if n % k == 0)
+
+
+def squared_norms(t):
+    """Squared norms of the rows of ``t`` (B, ...) and upper bounds of their exact values.
+
+    Returns (estimate, upper bound), both (B,) float64. float32 rows are summed in float32
+    blocks (see ``_SQUARES_BLOCK``); when a square overflows float32 (entries above 1.8e19),
+    rows are rescaled by their largest entry first. Rows that hold inf or NaN give inf/NaN.
+    """
+    flat = flat_per_example(t)
+    n = flat.shape[1]
+    if flat.dtype == tf.float64 or n is None or n == 0:
+        flat = tf.cast(flat, tf.float64)
+        sq = tf.reduce_sum(tf.square(flat), axis=1)
+        size = tf.cast(tf.shape(flat)[1], tf.float64)
+        return sq, sq * (1.0 + gamma(size + 1, tf.float64)) + size * 2.0**-1022
+    flat = tf.cast(flat, tf.float32)
+    k = _block_size(n)
+
+    def block_sums(x):
+        return tf.reduce_sum(tf.square(tf.reshape(x, [-1, n // k, k])), axis=-1)
+
+    def rescaled():
+        top = tf.reduce_max(tf.abs(flat), axis=1)
+        top = tf.where((top > 0) & tf.math.is_finite(top), top, tf.ones_like(top))
+        q = tf.cast(block_sums(flat / top[:, None]), tf.float64)
+        # A division, a square and k-1 additions in float32 per block sum; flushed squares
+        # lose less than 2^-126 of top^2 each.
+        rel = gamma(k + 1, tf.float32) + n * _FLUSH_FLOAT32
+        return q * tf.square(tf.cast(top, tf.float64))[:, None], rel
+
+    q = block_sums(flat)
+    # A square and k-1 additions in float32 per block sum.
+    q, rel = tf.cond(tf.reduce_all(tf.math.is_finite(q)),
+                     lambda: (tf.cast(q, tf.float64), gamma(k, tf.float32)), rescaled)
+    sq = tf.reduce_sum(q, axis=1)
+    # n/k block sums in float64; each flushed square loses less than 2^-126.
+    rel = rel + gamma(n // k + 1, tf.float64)
+    return sq, sq * (1.0 + rel) + n * _FLUSH_FLOAT32
+
+
+def gram_norms(a, g):
+    """``||sum_t a_t g_t^T||^2`` from float64 Gram matrices, with a bound, per example.
+
+    Returns (estimate clamped to [0, l1^2], upper bound, l1), all (B,) float64, where
+    ``l1 = sum_t ||a_t|| ||g_t||`` bounds both the norm and the size of every rounding error.
+    """
+    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    aa = tf.einsum("btd,bsd->bts", a64, a64)
+    gg = tf.einsum("btp,bsp->bts", g64, g64)
+    s = tf.reduce_sum(aa * gg, axis=[1, 2])
+    l1 = tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(a64), -1))
+                       * tf.sqrt(tf.reduce_sum(tf.square(g64), -1)), axis=1)
+    l1_sq = tf.square(l1)
+    steps = tf.shape(a)[1]
+    # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
+    # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
+    # ||g_t|| ||g_s|| = gamma l1^2; l1 itself is computed with a relative error below gamma.
+    rel = gamma(tf.shape(a)[2] + tf.shape(g)[2] + steps * steps + steps + 8, tf.float64)
+    sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
+    upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
+    return sq, upper, l1
+
+
+def exact_outer_norms(a, g, l1):
+    """Squared norms of ``sum_t a_t g_t^T`` from the float64 matrices, one example at a time
+    (d x p memory, not B of them), and upper bounds of the exact norms, (n,) float64.
+
+    The matrix is off by at most gamma_T l1 (float64), its sum of squares by gamma_{dp}.
+    """
+    def one(args):
+        a_i, g_i = args
+        per = tf.matmul(tf.cast(a_i, tf.float64), tf.cast(g_i, tf.float64), transpose_a=True)
+        return tf.reduce_sum(tf.square(per))
+
+    sq = tf.map_fn(one, (a, g), fn_output_signature=tf.float64, parallel_iterations=1)
+    size = tf.shape(a)[2] * tf.shape(g)[2]
+    bound = (tf.sqrt(sq) * (1.0 + gamma(size + 2, tf.float64))
+             + gamma(tf.shape(a)[1], tf.float64) * l1)
+    return sq, bound
+
+
+#: An example whose float32 weighted sum could be off by more than this fraction of its norm
+#: (an ill-conditioned gradient: terms far larger than their sum) has its sums formed in
+#: float64 instead; in float32 its factor would have to be lowered by that much to stay sound.
+_FLOAT32_SUM_MAX_SLACK = 1e-4
+
+
+def ill_conditioned(norm_bound, slack):
+    """(B,) bool: the float32 ``slack`` is above ``_FLOAT32_SUM_MAX_SLACK`` of the norm."""
+    return slack > _FLOAT32_SUM_MAX_SLACK * norm_bound
+
+
+def _row_sums(ids, g):
+    """``R_t = sum_s [id_s = id_t] g_s``: the row of the per-example gradient token t feeds,
+    and how many tokens feed it."""
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+    return tf.einsum("bts,bsd->btd", same, g), tf.reduce_sum(same, axis=2), same
+
+
+def _width(t):
+    """t's last axis for a reshape, static when known (squared_norms needs a static width)."""
+    return t.shape[-1] if t.shape[-1] is not None else -1
+
+
+def _rows_norm(row_sums, count):
+    """(estimate, upper bound) of ``sqrt(sum_t ||R_t||^2 / count_t)``, each row counted once."""
+    batch, steps = tf.shape(row_sums)[0], tf.shape(row_sums)[1]
+    r_sq, r_upper = squared_norms(tf.reshape(row_sums, [batch * steps, _width(row_sums)]))
+    count = tf.cast(count, tf.float64)
+    return (tf.reduce_sum(tf.reshape(r_sq, [batch, steps]) / count, axis=1),
+            tf.sqrt(tf.reduce_sum(tf.reshape(r_upper, [batch, steps]) / count, axis=1)))
+
+
+def embedding_norms(ids, g):
+    """Norms of the per-example embedding gradients (rows ``ids[i, t]`` receive ``g[i, t]``).
+
+    Every token's row sum ``R_t`` is formed (B*T^2*D, like the Gram form), and
+    ``||grad||^2 = sum_t ||R_t||^2 / count_t``: a sum of squares, which cannot cancel.
+
+    Returns (squared norm, upper bound of the norm of what ``weighted_sum`` adds per unit
+    weight, (B,) bool of the examples whose sums are formed in float64 (None for float64 g)).
+    """
+    row_sums, count, same = _row_sums(ids, g)
+    sq, upper = _rows_norm(row_sums, count)
+    batch, steps = tf.shape(g)[0], tf.shape(g)[1]
+    # R_t (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
+    # row: each is off by at most gamma_{T+1} sum_{s in row} ||g_s||, whose norm over rows is
+    # `spread` (itself summed in g's dtype, hence the extra gamma).
+    _, g_sq = squared_norms(tf.reshape(g, [batch * steps, _width(g)]))
+    g_norms = tf.cast(tf.reshape(tf.sqrt(g_sq), [batch, steps]), g.dtype)
+    near = tf.cast(tf.einsum("bts,bs->bt", same, g_norms), tf.float64)
+    spread = tf.sqrt(tf.reduce_sum(tf.square(near) / tf.cast(count, tf.float64), axis=1))
+    slack = 2.0 * gamma(steps + 1, g.dtype) * spread * (1.0 + gamma(steps + 4, g.dtype))
+    if g.dtype == tf.float64:
+        return sq, upper + slack, None
+    wide = ill_conditioned(upper, slack)
+    # Ill-conditioned examples: row sums again in float64, for them only.
+    idx = tf.where(wide)
+    sums64, count64, _ = _row_sums(tf.gather_nd(ids, idx),
+                                   tf.cast(tf.gather_nd(g, idx), tf.float64))
+    sq64, upper64 = _rows_norm(sums64, count64)
+    sq = tf.tensor_scatter_nd_update(sq, idx, sq64)
+    upper = tf.tensor_scatter_nd_update(upper, idx, upper64)
+    # ... in float64 then, and rounded once to float32.
+    slack = tf.where(wide, 2.0 * gamma(steps + 1, tf.float64) * spread, slack)
+    return sq, upper + slack, wide
+
+
+def materialised_norms(per):
+    """(squared norm, norm bound) of materialised per-example gradients ``per`` (B, ...).
+
+    The weighted sum adds ``w_i * per_i`` itself: the bound is that of the norm's own
+    rounding (the products ``w_i per_i`` are the final products, see ``clip_factors``).
+    """
+    sq, upper = squared_norms(per)
+    return sq, tf.sqrt(upper)
+
+
+def drop_examples(x, w):
+    """``x`` with the examples of weight 0 zeroed, even where ``x`` is inf or NaN."""
+    keep = tf.reshape(w > 0, [-1] + [1] * (x.shape.rank - 1))
+    return tf.where(keep, x, tf.zeros_like(x))
+
+
+def weighted_per_example_sum(w, per, drop_non_finite=False):
+    """``sum_i w_i per_i`` of materialised per-example gradients ``per`` (B, ...).
+
+    Formed in float32 (float64 for float64 ``per``). ``drop_non_finite``: examples of weight
+    0 add nothing even if their gradient is inf or NaN (0 * inf would be NaN).
+    """
+    acc = accumulation_dtype(per.dtype)
+    per = tf.cast(per, acc)
+    if drop_non_finite:
+        per = drop_examples(per, w)
+    return tf.tensordot(tf.cast(w, acc), per, axes=1)

@@ -1,0 +1,319 @@
+"""How the private step gets every example's gradient norm: the ``NormStrategy`` seam.
+
+    Auto()        ghost rules where a layer has one, exact vectorized gradients elsewhere
+    Ghost()       ghost rules only (an error names the layers without one)
+    Vectorized()  exact vectorized per-example gradients for every weight
+    JL(r)         norms estimated by r JL projections (Bu et al. 2021, Algorithm 1)
+
+Each strategy turns one batch into per-weight ``Factors`` (``tf_dp.core.ghost.factors``)
+and per-example norm bounds; the clip factors and the clipped sums are then formed the
+same way for all (``NormStrategy.clipped_sum``). A new strategy is a subclass that
+implements ``_factors_and_norms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tf_dp import _validation
+from tf_dp.core import ghost, jl, vmap
+from tf_dp.core.ghost import FactorOptions, MaterialisedFactors
+
+
+@dataclasses.dataclass
+class ClippedSum:
+    """Result of the clipping stage for one (micro-)batch."""
+
+    grads: list  # sum_i w_i g_i for each privatized variable, in the variable's shape
+    losses: tf.Tensor  # per-example losses (B,)
+    y_pred: object  # model outputs, for metrics
+    norms: tf.Tensor  # per-example gradient norms (B,) before clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One batch and what the pipeline needs to run the model on it."""
+
+    model: object
+    x: object
+    y: object
+    sample_weight: object
+    per_example_loss: object
+    variables: list
+    non_finite: str  # "error" or "zero", see ``clip_factors``
+
+
+class NormStrategy:
+    """Base class: subclasses give per-weight factors and per-example norm bounds."""
+
+    #: the name used in configs and by ``get``.
+    name: str = ""
+    #: r for JL strategies (the accountant composes the JL mechanism), None for exact norms.
+    num_projections = None
+
+    def clipped_sum(self, model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                    variables, seed=None, non_finite="error") -> ClippedSum:
+        """Clips every example's gradient of ``variables`` to ``l2_norm_clip`` and sums."""
+        batch = _Batch(model, x, y, sample_weight, per_example_loss, list(variables),
+                       non_finite)
+        factors, bounds, norms, losses, y_pred = self._factors_and_norms(batch, seed)
+        w = clip_factors(bounds, l2_norm_clip, ghost.accumulation_dtype(losses.dtype),
+                         non_finite)
+        grads = [tf.cast(tf.convert_to_tensor(f.weighted_sum(w)), v.dtype)
+                 for f, v in zip(factors, batch.variables)]
+        return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
+                          norms=tf.cast(norms, losses.dtype))
+
+    def _factors_and_norms(self, batch: _Batch, seed):
+        """(factors per variable, clip bounds (B,), norms (B,), losses (B,), outputs)."""
+        raise NotImplementedError
+
+    def get_config(self) -> dict:
+        return {"norm_strategy": self.name, "num_projections": self.num_projections}
+
+    def __repr__(self):
+        return f"tf_dp.{type(self).__name__}()"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash((type(self), self.num_projections))
+
+
+def _ghost_pass(batch: _Batch, options: FactorOptions):
+    """One captured forward pass and one backward pass to the recorded layer outputs.
+
+    Returns ({id(variable): Factors} for the variables a ghost rule covers, the per-example
+    losses, the outputs).
+    """
+    with tf.GradientTape() as tape:
+        # Privatized variables may be non-trainable (RGP carriers): watch them explicitly.
+        tape.watch([_handle(v) for v in batch.variables])
+        with ghost.capture(ghost.capturable_layers(batch.model), batch_size_of(batch.x),
+                           tape) as ctx:
+            y_pred = batch.model(batch.x, training=True)
+        losses = batch.per_example_loss(batch.y, y_pred, batch.sample_weight)
+        total = tf.reduce_sum(losses)
+    factors = ghost.backward(ctx, tape, total, options)
+    wanted = {id(v) for v in batch.variables}
+    return {k: f for k, f in factors.items() if k in wanted}, losses, y_pred
+
+
+def _handle(variable):
+    return variable.value if hasattr(variable, "value") else variable
+
+
+def _vectorized_factors(batch: _Batch, variables, options: FactorOptions):
+    per_ex, losses, y_pred = vmap.per_example_gradients(
+        batch.model, batch.per_example_loss, batch.x, batch.y, batch.sample_weight, variables)
+    return {id(v): MaterialisedFactors(v, g, options) for v, g in zip(variables, per_ex)}, \
+        losses, y_pred
+
+
+class _ExactStrategy(NormStrategy):
+    """Exact norms: ``sqrt(sum over weights of squared norms)`` with rounding bounds."""
+
+    def _covered(self, batch, options):
+        """({id(variable): Factors} of what this strategy covers itself, losses, outputs)."""
+        raise NotImplementedError
+
+    def _factors_and_norms(self, batch, seed):
+        options = FactorOptions(drop_non_finite=batch.non_finite == "zero")
+        by_id, losses, y_pred = self._covered(batch, options)
+        rest = [v for v in batch.variables if id(v) not in by_id]
+        if rest:
+            self._check_fallback(rest)
+            more, _, _ = _vectorized_factors(batch, rest, options)
+            by_id = {**by_id, **more}
+        factors = [by_id[id(v)] for v in batch.variables]
+        norms, bounds = ghost.combined_norms(factors, losses)
+        return factors, bounds, norms, losses, y_pred
+
+    def _check_fallback(self, variables):
+        pass
+
+
+class Auto(_ExactStrategy):
+    """Ghost norms where a layer has a rule, exact vectorized per-example gradients for the
+    other weights (the default)."""
+
+    name = "auto"
+
+    def _covered(self, batch, options):
+        return _ghost_pass(batch, options)
+
+
+class Ghost(Auto):
+    """Ghost norms only: an error names the layers without a rule (instead of falling back)."""
+
+    name = "ghost"
+
+    def _check_fallback(self, variables):
+        names = sorted({v.path.rsplit("/", 1)[0] for v in variables})
+        raise ValueError(
+            f"`norm_strategy` is Ghost() but these layers have no ghost-norm rule: {names}. "
+            "Use norm_strategy='auto' (exact vectorized gradients for them).")
+
+
+class Vectorized(_ExactStrategy):
+    """Exact per-example gradients of every weight by ``tf.vectorized_map`` (any model)."""
+
+    name = "vectorized"
+
+    def _covered(self, batch, options):
+        return _vectorized_factors(batch, batch.variables, options)
+
+
+class JL(NormStrategy):
+    """Per-example norms estimated by ``num_projections`` JL projections (Bu et al. 2021):
+    ``M_i = sqrt(mean_j <g_i, v_j>^2)`` with fresh secret Gaussian directions ``v_j`` every
+    step, accounted as the JL mechanism (``tf_dp.accounting``).
+
+    ``<g_i, v_j>`` comes from the recorded factors for every weight a ghost rule covers (one
+    forward, one backward pass), from forward-mode JVPs for the others; the clipped sum from
+    the same factors for the former and one backward pass of ``sum_i w_i l_i`` for the latter.
+    """
+
+    name = "jl"
+
+    def __init__(self, num_projections: int):
+        self._r = _validation.num_projections(num_projections, allow_none=False)
+
+    @property
+    def num_projections(self):
+        return self._r
+
+    def __repr__(self):
+        return f"tf_dp.JL({self._r})"
+
+    def _factors_and_norms(self, batch, seed):
+        if seed is None:
+            raise ValueError("JL norms need a `seed` for their directions (the optimizer's "
+                             "secret stream provides one per step).")
+        r, variables = self._r, batch.variables
+        replay = jl.save_random_state(batch.model)
+        options = FactorOptions(exact_norms=False, num_projections=r,
+                                drop_non_finite=batch.non_finite == "zero")
+        by_id, losses, y_pred = _ghost_pass(batch, options)
+        dirs = jl.directions(variables, r, seed)
+        projections = tf.zeros([r, tf.shape(losses)[0]], tf.float64)
+        for k, v in enumerate(variables):
+            if id(v) in by_id:
+                stacked = tf.stack([dirs[j][k] for j in range(r)])
+                projections += tf.cast(by_id[id(v)].project(stacked), tf.float64)
+        rest = [k for k, v in enumerate(variables) if id(v) not in by_id]
+        if rest:
+            group = _JVPGroup(batch, [variables[k] for k in rest], replay)
+            projections += group.project([[dirs[j][k] for k in rest] for j in range(r)])
+            by_id.update(group.factors())
+        norms = jl.jl_norms(projections)
+        factors = [by_id[id(v)] for v in variables]
+        return factors, norms, norms, losses, y_pred
+
+
+class _JVPGroup:
+    """Weights without ghost factors under JL: projections by forward-mode JVPs, the clipped
+    sum by one backward pass of ``sum_i w_i l_i`` (shared by the group's weights)."""
+
+    def __init__(self, batch, variables, replay):
+        self.batch, self.variables, self.replay = batch, variables, replay
+        self.tape = tf.GradientTape(watch_accessed_variables=False)
+        with self.tape:
+            self.tape.watch([_handle(v) for v in variables])
+        self.losses = None
+        self._sums = None
+
+    def project(self, dirs):
+        b = self.batch
+        self.losses, _, proj = jl.forward_projections(
+            b.model, b.per_example_loss, b.x, b.y, b.sample_weight, self.variables, dirs,
+            self.tape, self.replay)
+        return tf.cast(proj, tf.float64)
+
+    def weighted_sums(self, w):
+        if self._sums is None:
+            with self.tape:
+                weighted = tf.reduce_sum(tf.cast(w, self.losses.dtype) * self.losses)
+            self._sums = self.tape.gradient(weighted, [_handle(v) for v in self.variables],
+                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return self._sums
+
+    def factors(self):
+        return {id(v): _GroupMember(self, k) for k, v in enumerate(self.variables)}
+
+
+class _GroupMember:
+    def __init__(self, group, index):
+        self.group, self.index = group, index
+
+    def weighted_sum(self, w):
+        return self.group.weighted_sums(w)[self.index]
+
+
+_BY_NAME = {"auto": Auto, "ghost": Ghost, "vectorized": Vectorized, "vmap": Vectorized}
+
+
+def get(norm_strategy, num_projections=None) -> NormStrategy:
+    """A ``NormStrategy`` from an instance or a name ("auto", "ghost", "vectorized" — also
+    "vmap" —, or "jl" with ``num_projections``)."""
+    if isinstance(norm_strategy, NormStrategy):
+        if num_projections is not None and num_projections != norm_strategy.num_projections:
+            raise ValueError(f"`num_projections`={num_projections!r} contradicts "
+                             f"`norm_strategy`={norm_strategy!r}.")
+        return norm_strategy
+    if norm_strategy == "jl":
+        if num_projections is None:
+            raise ValueError("`norm_strategy`='jl' needs `num_projections` (or pass "
+                             "tf_dp.JL(num_projections)).")
+        return JL(num_projections)
+    if norm_strategy in _BY_NAME:
+        if num_projections is not None:
+            raise ValueError(f"`num_projections` is only for JL norms, got it with "
+                             f"`norm_strategy`={norm_strategy!r}.")
+        return _BY_NAME[norm_strategy]()
+    raise ValueError("`norm_strategy` must be 'auto', 'ghost', 'vectorized', 'jl' or a "
+                     f"tf_dp.NormStrategy such as tf_dp.JL(5), got {norm_strategy!r}.")
+
+
+# -------------------------------------------------------------------------- shared stages
+
+
+def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error"):
+    """``w_i = C / max(n_i, C)``, i.e. ``min(1, C/n_i)`` and 1 for a zero gradient.
+
+    ``norms`` must bound the norm of what the weighted sums add for each example per unit
+    weight, the rounding of those sums included (``ghost.combined_norms`` gives such bounds)
+    except that of their final products by ``w_i``. The factors are formed in float64 and
+    returned in ``dtype``, the dtype in which the sums multiply by them (float32; float64 for
+    float64 models), never in a lower-precision compute dtype (bfloat16 would round a factor
+    up by up to 2^-9). So every example's contribution to the tensors actually summed is at
+    most ``C (1 + 3u)`` (``w_i``'s rounding and two final products; u = 2^-24 in float32).
+
+    ``non_finite``: "error" (non-finite norms stop training with a clear error instead of
+    reaching the weights) or "zero" (such an example gets factor 0 and contributes nothing:
+    a function of that example alone, so every example's contribution stays within C).
+    """
+    if non_finite not in ("error", "zero"):
+        raise ValueError(f"`non_finite` must be 'error' or 'zero', got {non_finite!r}.")
+    norms = tf.cast(norms, tf.float64)
+    if non_finite == "error":
+        norms = tf.debugging.assert_all_finite(
+            norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs "
+                   "and learning rate); the step was not applied.")
+    if isinstance(l2_norm_clip, (int, float)) and l2_norm_clip == float("inf"):
+        w64 = tf.ones_like(norms)  # no clipping (a non-private reference)
+    else:
+        c = tf.cast(l2_norm_clip, tf.float64)
+        w64 = c / tf.maximum(norms, c)
+    if non_finite == "zero":
+        w64 = tf.where(tf.math.is_finite(norms), w64, tf.zeros_like(w64))
+    return tf.stop_gradient(tf.cast(w64, dtype))
+
+
+def batch_size_of(x):
+    leaf = next(t for t in tf.nest.flatten(x) if t is not None)
+    static = leaf.shape[0]
+    return static if static is not None else tf.shape(leaf)[0]
