@@ -1,0 +1,102 @@
+"""Brute-force references shared by the tests (a helper module, not a test file).
+
+Per-example gradients by a Python loop over single examples, each with its own
+``tf.GradientTape``: slow, but independent of everything the private step does (no capture,
+no ghost rules, no vectorization), so the norms and clipped sums of ``tf_dp.core.clipped_sum``
+can be checked against it for any model. Gradients come in the model's dtype (use a float64
+model for a reference exact to float64 rounding) and are returned, summed and normed in
+float64.
+
+Test files import it as ``from tests import _reference`` (tests/conftest.py, or Bazel's
+runfiles root, puts the repository root on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+def _handle(variable):
+    # Carriers (RGP) may be non-trainable variables: watch their values explicitly.
+    return variable.value if hasattr(variable, "value") else variable
+
+
+def _batch_size(x):
+    return int(tf.shape(tf.nest.flatten(x)[0])[0])
+
+
+def _example(t, i):
+    return None if t is None else tf.nest.map_structure(lambda a: a[i:i + 1], t)
+
+
+def per_example_gradients(model, loss_fn, x, y, sample_weight=None, variables=None):
+    """Every example's gradient of its loss, one example at a time.
+
+    Args:
+      model: a Keras model (called with ``training=True``).
+      loss_fn: ``fn(y_true, y_pred, sample_weight) -> (B,)``, e.g.
+        ``tf_dp.core.build_per_example_loss("mse")``.
+      x, y, sample_weight: one batch (nested structures allowed for ``x`` and ``y``).
+      variables: the variables to differentiate (default: ``model.trainable_variables``);
+        non-trainable ones (gradient carriers) are watched explicitly.
+
+    Returns:
+      A list over ``variables`` of float64 arrays (B, *variable.shape); a variable an
+      example does not reach gets zeros.
+    """
+    variables = list(model.trainable_variables if variables is None else variables)
+    handles = [_handle(v) for v in variables]
+    per = [[] for _ in variables]
+    for i in range(_batch_size(x)):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(handles)
+            pred = model(_example(x, i), training=True)
+            loss = tf.reduce_sum(loss_fn(_example(y, i), pred, _example(sample_weight, i)))
+        grads = tape.gradient(loss, handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for j, g in enumerate(grads):
+            per[j].append(np.asarray(tf.convert_to_tensor(g), dtype=np.float64))
+    return [np.stack(p) for p in per]
+
+
+def per_example_norms(per_example):
+    """(B,) float64 norms over all variables of ``per_example_gradients``' output."""
+    sq = sum(np.sum(np.square(g).reshape(g.shape[0], -1), axis=1) for g in per_example)
+    return np.sqrt(np.asarray(sq, dtype=np.float64))
+
+
+def clip_weights(norms, l2_norm_clip):
+    """``min(1, C / n_i)`` (1 for a zero gradient), as the private step clips."""
+    norms = np.asarray(norms, dtype=np.float64)
+    if l2_norm_clip == float("inf"):
+        return np.ones_like(norms)
+    return l2_norm_clip / np.maximum(norms, l2_norm_clip)
+
+
+def clipped_sum_reference(model, loss_fn, x, y, l2_norm_clip, sample_weight=None,
+                          variables=None):
+    """The reference of ``tf_dp.core.clipped_sum``.
+
+    Returns:
+      (norms (B,), [sum_i min(1, C/n_i) g_i per variable]), all float64.
+    """
+    per = per_example_gradients(model, loss_fn, x, y, sample_weight, variables)
+    norms = per_example_norms(per)
+    w = clip_weights(norms, l2_norm_clip)
+    sums = [np.tensordot(w, g, axes=1) for g in per]
+    return norms, sums
+
+
+def cpu_runs_nchw_conv():
+    """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
+    on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
+    try:
+        tf.nn.conv2d(tf.zeros([1, 1, 3, 3]), tf.zeros([2, 2, 1, 1]), 1, "VALID",
+                     data_format="NCHW")
+        return True
+    except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
+        return False
+
+
+__all__ = ["clip_weights", "clipped_sum_reference", "cpu_runs_nchw_conv",
+           "per_example_gradients", "per_example_norms"]
