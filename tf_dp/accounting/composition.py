@@ -187,8 +187,9 @@ def _support_indices(
     """Support points of one step's PMF.
 
     The dense lattice covers the bulk (levels between which all but ~1e-13 of the P-mass lies),
-    clipped to [-D, D] with D = max(1, 2^16 Δ); outside it, lattice points with relative spacing
-    0.2% (connect-the-dots stays pessimistic there, only slightly looser).
+    clipped to [-D, D] with D = max(1, _MAX_DENSE_POINTS/2 · Δ) = max(1, 2^10 Δ); outside it,
+    lattice points with relative spacing 0.2% (`_GEOMETRIC_RATIO`; connect-the-dots stays
+    pessimistic there, only slightly looser).
     """
     half = max(1.0, _MAX_DENSE_POINTS / 2 * discretization)
     d_lo = max(k_lo, math.floor(max(-half, bulk[0]) / discretization))

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _internals, _validation
 from tf_dp.core import losses as losses_lib
-from tf_dp import _internals
 from tf_dp.core import carriers, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
-from tf_dp.keras.privacy_callback import PrivacyCallback, max_additional_steps
+from tf_dp.keras.budget import PrivacyBudget
+from tf_dp.keras.privacy_callback import PrivacyCallback
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 _FIXED_BATCH_NOTE = (
@@ -23,8 +22,6 @@ _FIXED_BATCH_NOTE = (
     "at q = batch / dataset size. That is outside the proven guarantee; pass arrays to fit() "
     "(Poisson sampling is then done for you) or a tf_dp.data.PoissonSampler for a guarantee "
     "that matches the accounting.")
-
-_LOG = logging.getLogger("tf_dp")
 
 _BUDGET_KEY = "tf_dp_privacy_budget"
 
@@ -43,49 +40,52 @@ class DPTrainMixin:
     and restoring an older checkpoint into a model that has trained keeps the larger one.
     """
 
-    #: delta at which ``epsilon`` is reported; set by ``make_private(model, delta=...)``.
-    privacy_delta = 1e-5
-    #: when set, ``fit`` stops before the step that would exceed this epsilon.
-    target_epsilon = None
-
     # ------------------------------------------------------------------ privacy budget
 
-    def _dp_raw_accountants(self):
-        from tf_dp.accounting import PrivacyAccountant
+    @property
+    def privacy_budget(self) -> PrivacyBudget:
+        """The model's ``PrivacyBudget`` (tf_dp/keras/budget.py), up to date with the
+        optimizer's applied steps."""
+        budget = self._dp_budget_obj()
+        budget.drain(_dp_optimizer_of(getattr(self, "optimizer", None)))
+        return budget
 
-        if getattr(self, "_dp_accountant", None) is None:
-            self._dp_accountant = PrivacyAccountant()
-        if getattr(self, "_dp_exact_accountant", None) is None:
-            self._dp_exact_accountant = PrivacyAccountant()
-        if getattr(self, "_dp_lineage", None) is None:
-            # Identifies this model's training history across saves and restores.
-            self._dp_lineage = os.urandom(8).hex()
-        return self._dp_accountant, self._dp_exact_accountant
+    def _dp_budget_obj(self):
+        if getattr(self, "_dp_budget", None) is None:
+            self._dp_budget = PrivacyBudget()
+        return self._dp_budget
 
     def _dp_drain(self):
-        """Moves the steps the optimizer applied since the last call into the accountants."""
-        accountant, exact = self._dp_raw_accountants()
-        opt = _dp_optimizer_of(getattr(self, "optimizer", None))
-        if opt is None:
-            return
-        for sigma, q, r, count in opt.drain_steps():
-            accountant.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r,
-                            count=count)
-            if r is not None:
-                # What exact clipping would have cost at the same sigma, q and steps.
-                exact.step(noise_multiplier=sigma, sampling_probability=q, count=count)
+        """Moves the steps the optimizer applied since the last call into the budget."""
+        self._dp_budget_obj().drain(_dp_optimizer_of(getattr(self, "optimizer", None)))
+
+    @property
+    def privacy_delta(self) -> float:
+        """The delta at which ``epsilon`` is reported (``make_private(model, delta=...)``)."""
+        return self._dp_budget_obj().delta
+
+    @privacy_delta.setter
+    def privacy_delta(self, value):
+        self._dp_budget_obj().delta = value
+
+    @property
+    def target_epsilon(self):
+        """When set, ``fit`` stops before the step that would exceed this epsilon."""
+        return self._dp_budget_obj().target_epsilon
+
+    @target_epsilon.setter
+    def target_epsilon(self, value):
+        self._dp_budget_obj().target_epsilon = value
 
     @property
     def accountant(self):
         """The model's ``tf_dp.accounting.PrivacyAccountant`` (every private step so far)."""
-        self._dp_drain()
-        return self._dp_accountant
+        return self.privacy_budget.accountant
 
     @property
     def exact_clipping_accountant(self):
         """The steps of JL optimizers accounted as exact clipping, for comparison only."""
-        self._dp_drain()
-        return self._dp_exact_accountant
+        return self.privacy_budget.exact_clipping_accountant
 
     def epsilon(self, delta: float = None, exact_clipping: bool = False) -> float:
         """Epsilon spent so far at ``delta`` (default: the model's ``privacy_delta``).
@@ -94,26 +94,15 @@ class DPTrainMixin:
         When the accountant cannot reach its stated accuracy (very small JL ``r``), the
         returned value is its valid but looser upper bound, with a warning.
         """
-        from tf_dp.accounting import AccuracyError
-
-        delta = self.privacy_delta if delta is None else delta
-        accountant = self.exact_clipping_accountant if exact_clipping else self.accountant
-        try:
-            return accountant.epsilon(delta)
-        except AccuracyError as err:
-            warnings.warn(f"tf_dp: epsilon could not be computed to the accountant's accuracy; "
-                          f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=2)
-            return float(err.upper)
+        return self.privacy_budget.epsilon(delta, exact_clipping)
 
     @property
     def privacy_caveats(self):
         """What, in this model's history, is outside the proven guarantee (list of str)."""
-        return sorted(getattr(self, "_dp_caveats", None) or ())
+        return sorted(self._dp_budget_obj().caveats)
 
     def _dp_caveat(self, text):
-        if getattr(self, "_dp_caveats", None) is None:
-            self._dp_caveats = set()
-        self._dp_caveats.add(text)
+        self._dp_budget_obj().caveat(text)
 
     def privacy_report(self) -> dict:
         """The spent budget and what it covers: epsilon at the model's delta, the steps
@@ -125,31 +114,11 @@ class DPTrainMixin:
         are in the model, outside epsilon). Sampling declared by the user
         (``sampling_probability=``) is a caveat the report lists but cannot check.
         """
-        accountant = self.accountant
-        voiding = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
-        report = {"epsilon": self.epsilon(), "delta": self.privacy_delta,
-                  "steps": accountant.steps,
-                  "phases": accountant.get_config()["phases"],
-                  "caveats": self.privacy_caveats,
-                  "guarantee_holds": not any(c.startswith(voiding) for c in
-                                             self.privacy_caveats)}
-        if self._dp_exact_accountant.steps:
-            report["epsilon_exact_clipping"] = self.epsilon(exact_clipping=True)
-        return report
-
-    def _dp_budget_state(self):
-        accountant, exact = self._dp_raw_accountants()
-        return {"privacy_delta": self.privacy_delta,
-                "target_epsilon": self.target_epsilon,
-                "accountant": accountant.get_config(),
-                "exact_clipping_accountant": exact.get_config(),
-                "lineage": self._dp_lineage,
-                "caveats": self.privacy_caveats}
+        return self.privacy_budget.report()
 
     def get_config(self):
-        self._dp_drain()
         config = super().get_config()
-        config["tf_dp"] = self._dp_budget_state()
+        config["tf_dp"] = self.privacy_budget.get_config()
         return config
 
     @classmethod
@@ -158,68 +127,24 @@ class DPTrainMixin:
         extra = config.pop("tf_dp", None)
         model = super().from_config(config, custom_objects=custom_objects)
         if extra:
-            model._dp_restore_budget(extra)
+            model._dp_budget = PrivacyBudget.from_config(extra)
         return model
-
-    def _dp_restore_budget(self, extra):
-        from tf_dp.accounting import PrivacyAccountant
-
-        self.privacy_delta = extra["privacy_delta"]
-        self.target_epsilon = extra["target_epsilon"]
-        self._dp_accountant = PrivacyAccountant.from_config(extra["accountant"])
-        self._dp_exact_accountant = PrivacyAccountant.from_config(
-            extra.get("exact_clipping_accountant") or {})
-        self._dp_lineage = extra.get("lineage") or os.urandom(8).hex()
-        self._dp_caveats = set(extra.get("caveats") or ())
 
     def save_own_variables(self, store):
         """Saves the weights and, beside them, the spent budget (so ``save_weights`` /
         ``BackupAndRestore`` / checkpoints carry it)."""
         super().save_own_variables(store)
-        self._dp_drain()
-        blob = json.dumps(self._dp_budget_state()).encode()
+        blob = json.dumps(self.privacy_budget.get_config()).encode()
         store[_BUDGET_KEY] = np.frombuffer(blob, dtype=np.uint8)
 
     def load_own_variables(self, store):
         """Loads the weights; the spent budget becomes the larger of the model's own and the
-        file's (never smaller): see ``_merge_budget``."""
+        file's (never smaller): see ``PrivacyBudget.merge``."""
         if _BUDGET_KEY in store:
             saved = json.loads(bytes(np.asarray(store[_BUDGET_KEY], dtype=np.uint8)).decode())
-            self._dp_merge_budget(saved)
+            self.privacy_budget.merge(saved)
             store = _StoreWithout(store, _BUDGET_KEY)
         super().load_own_variables(store)
-
-    def _dp_merge_budget(self, saved):
-        """Nothing rewinds the spent budget.
-
-        Same history (lineage) as the model: keep whichever of the two records the other is
-        a prefix of (an older checkpoint restored into a model that trained further keeps
-        the model's record; a fresh model takes the file's). A model that has spent nothing
-        takes the file's record. Otherwise both histories contributed to what the model will
-        release: compose them (a warning says so).
-        """
-        from tf_dp.accounting import PrivacyAccountant
-
-        self._dp_drain()
-        mine, mine_exact = self._dp_raw_accountants()
-        theirs = PrivacyAccountant.from_config(saved["accountant"])
-        theirs_exact = PrivacyAccountant.from_config(saved.get("exact_clipping_accountant") or {})
-        caveats = set(saved.get("caveats") or ()) | set(self.privacy_caveats)
-        if mine.steps == 0 or (saved.get("lineage") == self._dp_lineage
-                               and _is_prefix(mine.phases, theirs.phases)):
-            self._dp_restore_budget({**saved, "privacy_delta": self.privacy_delta,
-                                     "target_epsilon": self.target_epsilon})
-        elif saved.get("lineage") == self._dp_lineage and _is_prefix(theirs.phases, mine.phases):
-            pass  # an older state of this very run: the model's record already covers it
-        else:
-            warnings.warn("tf_dp: loading weights trained in another run into a model that has "
-                          "already trained: both runs' steps are now accounted.", stacklevel=3)
-            for acc, other in ((mine, theirs), (mine_exact, theirs_exact)):
-                for p in other.phases:
-                    acc.step(noise_multiplier=p.noise_multiplier,
-                             sampling_probability=p.sampling_probability,
-                             num_projections=p.num_projections, count=p.count)
-        self._dp_caveats = caveats
 
     # ------------------------------------------------------------------ compile / fit
 
@@ -320,7 +245,8 @@ class DPTrainMixin:
                             steps_per_epoch=steps_per_epoch)
         budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
-            self._dp_no_budget_message(opt.mechanism(q), verbose)
+            warnings.warn(self.privacy_budget.no_budget_message(opt.mechanism(q)), UserWarning,
+                          stacklevel=2)
             return _empty_history(self)
         if budget is not None:
             # Never more logical steps than the budget allows, whatever steps_per_execution:
@@ -391,30 +317,7 @@ class DPTrainMixin:
 
     def _dp_remaining_steps(self, mechanism):
         """Steps of ``mechanism`` left within ``target_epsilon`` (None: no target)."""
-        if self.target_epsilon is None:
-            return None
-        sigma, q, r = mechanism
-        return max_additional_steps(self.accountant, self.target_epsilon, self.privacy_delta,
-                                    dict(noise_multiplier=sigma, sampling_probability=q,
-                                         num_projections=r))
-
-    def _dp_no_budget_message(self, mechanism, verbose):
-        sigma, q, r = mechanism
-        if self.accountant.steps == 0:
-            from tf_dp.accounting import PrivacyAccountant
-
-            one = PrivacyAccountant().step(noise_multiplier=sigma, sampling_probability=q,
-                                           num_projections=r).epsilon(self.privacy_delta)
-            text = (f"tf_dp: cannot take even one step: a single step (sigma {sigma:g}, q "
-                    f"{q:g}{'' if r is None else f', r {r}'}) already costs epsilon {one:.4g} "
-                    f"at delta {self.privacy_delta:g}, above the target epsilon "
-                    f"{self.target_epsilon:g}. Nothing was trained or spent; raise the noise "
-                    "multiplier or lower the sampling rate.")
-        else:
-            text = (f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at "
-                    f"delta {self.privacy_delta:g}) is spent: epsilon {self.epsilon():.4g} "
-                    f"after {self.accountant.steps} steps; not training.")
-        warnings.warn(text, UserWarning, stacklevel=3)
+        return self.privacy_budget.remaining_steps(mechanism)
 
     def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
         state = (expected_micro_batch_size, sampling_probability, poisson)
@@ -574,21 +477,6 @@ def _empty_history(model):
     return history
 
 
-def _is_prefix(shorter, longer):
-    """True if the phases ``shorter`` are the beginning of ``longer``."""
-    if len(shorter) > len(longer):
-        return False
-    if not shorter:
-        return True
-    same = lambda a, b: (a.noise_multiplier, a.sampling_probability, a.num_projections) == (
-        b.noise_multiplier, b.sampling_probability, b.num_projections)
-    for a, b in zip(shorter[:-1], longer):
-        if not (same(a, b) and a.count == b.count):
-            return False
-    last, there = shorter[-1], longer[len(shorter) - 1]
-    return same(last, there) and last.count <= there.count
-
-
 class _StoreWithout:
     """A weights store minus one key (the budget), for Keras' own variable loading."""
 
@@ -711,11 +599,9 @@ def make_private(model: keras.Model, delta: float = 1e-5,
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        raise ValueError(f"`delta` must be in (0, 1), got {delta!r}.")
-    if target_epsilon is not None and not (isinstance(target_epsilon, (int, float))
-                                           and target_epsilon > 0):
-        raise ValueError(f"`target_epsilon` must be > 0, got {target_epsilon!r}.")
+    delta = _validation.delta(delta)
+    if target_epsilon is not None:
+        target_epsilon = _validation.positive_epsilon(target_epsilon)
     private = _private_version(model)
     private.privacy_delta = float(delta)
     private.target_epsilon = None if target_epsilon is None else float(target_epsilon)

@@ -222,7 +222,22 @@ class DPOptimizerMixin:
 
 class JLAlias:
     """Makes ``DP<Name>JL(C, sigma, num_projections=r)`` the optimizer ``DP<Name>`` with
-    ``norm_strategy=tf_dp.JL(r)``: kept for the README's ``DPAdamJL(...)``."""
+    ``norm_strategy=tf_dp.JL(r)`` (``DPSGDJL``, ``DPAdamJL``, ``DPAdamWJL``): per-example
+    norms from r JL projections (Bu et al. 2021, Algorithm 1)::
+
+        v_1..v_r ~ N(0, I)              # fresh each step, from a secret stream
+        P_ij = <grad l_i, v_j>          # from ghost factors, or one JVP per direction
+        M_i  = sqrt(mean_j P_ij^2)      # E[M_i^2] = ||grad l_i||^2
+        g    = (sum_i g_i / max(1, M_i / C) + N(0, sigma^2 C^2 I)) / E
+
+    Works for any Keras model at close to non-private memory. Each step is accounted as the
+    JL mechanism (the clipped contribution has norm <= C sqrt(r / chi2_r)), whose epsilon is
+    much larger than exact clipping's for small r: use small r for fast hyper-parameter
+    search and large r (or exact clipping) for the final run.
+
+    Reference: Bu, Gopi, Kulkarni, Lee, Shen, Tantipongpipat, "Fast and Memory Efficient
+    Differentially Private-SGD via JL Projections", NeurIPS 2021.
+    """
 
     def __init__(self, l2_norm_clip, noise_multiplier, num_projections=5, **kwargs):
         given = kwargs.pop("norm_strategy", "jl")

@@ -1,0 +1,171 @@
+"""The privacy budget of a private model: what it has spent, and what that covers.
+
+A ``PrivacyBudget`` holds the accountant fed by the optimizer's ledger (every applied step,
+whatever loop ran it), the delta at which epsilon is reported, the optional target epsilon,
+the caveats of the run (what is outside the proven guarantee) and a lineage id that
+identifies the training history across saves and restores. It never goes down: restoring a
+saved budget keeps the larger of the two records (``merge``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from tf_dp.keras.privacy_callback import max_additional_steps
+
+#: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
+VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
+
+
+class PrivacyBudget:
+    """The spent budget of one model (see the module docstring)."""
+
+    def __init__(self, delta: float = 1e-5, target_epsilon: float = None):
+        from tf_dp.accounting import PrivacyAccountant
+
+        self.delta = delta
+        self.target_epsilon = target_epsilon
+        self.accountant = PrivacyAccountant()
+        #: the JL steps accounted as exact clipping, for comparison only.
+        self.exact_clipping_accountant = PrivacyAccountant()
+        self.lineage = os.urandom(8).hex()
+        self.caveats: set = set()
+
+    # -- spending ------------------------------------------------------------------------
+
+    def drain(self, optimizer) -> None:
+        """Moves the steps ``optimizer`` applied since the last drain into the accountants."""
+        if optimizer is None:
+            return
+        for sigma, q, r, count in optimizer.drain_steps():
+            self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
+                                 num_projections=r, count=count)
+            if r is not None:
+                # What exact clipping would have cost at the same sigma, q and steps.
+                self.exact_clipping_accountant.step(noise_multiplier=sigma,
+                                                    sampling_probability=q, count=count)
+
+    def caveat(self, text: str) -> None:
+        self.caveats.add(text)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def epsilon(self, delta: float = None, exact_clipping: bool = False) -> float:
+        """Epsilon at ``delta`` (default: the budget's delta); with ``exact_clipping``, what
+        the JL steps would have cost with exact norms. When the accountant cannot reach its
+        stated accuracy (very small JL r), its valid but looser upper bound, with a warning."""
+        from tf_dp.accounting import AccuracyError
+
+        delta = self.delta if delta is None else delta
+        accountant = self.exact_clipping_accountant if exact_clipping else self.accountant
+        try:
+            return accountant.epsilon(delta)
+        except AccuracyError as err:
+            warnings.warn(f"tf_dp: epsilon could not be computed to the accountant's accuracy; "
+                          f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=3)
+            return float(err.upper)
+
+    def report(self) -> dict:
+        """Epsilon, delta, steps and phases, the caveats, and whether the guarantee holds
+        (False when a caveat voids the proof: see ``VOIDING`` and docs/privacy.md)."""
+        caveats = sorted(self.caveats)
+        report = {"epsilon": self.epsilon(), "delta": self.delta,
+                  "steps": self.accountant.steps,
+                  "phases": self.accountant.get_config()["phases"],
+                  "caveats": caveats,
+                  "guarantee_holds": not any(c.startswith(VOIDING) for c in caveats)}
+        if self.exact_clipping_accountant.steps:
+            report["epsilon_exact_clipping"] = self.epsilon(exact_clipping=True)
+        return report
+
+    def remaining_steps(self, mechanism):
+        """Steps of ``mechanism`` (sigma, q, r) left within the target (None: no target)."""
+        if self.target_epsilon is None:
+            return None
+        sigma, q, r = mechanism
+        return max_additional_steps(self.accountant, self.target_epsilon, self.delta,
+                                    dict(noise_multiplier=sigma, sampling_probability=q,
+                                         num_projections=r))
+
+    def no_budget_message(self, mechanism) -> str:
+        """Why no step can be taken: one step is already too costly, or the budget is spent."""
+        from tf_dp.accounting import PrivacyAccountant
+
+        sigma, q, r = mechanism
+        if self.accountant.steps == 0:
+            one = PrivacyAccountant().step(noise_multiplier=sigma, sampling_probability=q,
+                                           num_projections=r).epsilon(self.delta)
+            return (f"tf_dp: cannot take even one step: a single step (sigma {sigma:g}, q "
+                    f"{q:g}{'' if r is None else f', r {r}'}) already costs epsilon {one:.4g} "
+                    f"at delta {self.delta:g}, above the target epsilon "
+                    f"{self.target_epsilon:g}. Nothing was trained or spent; raise the noise "
+                    "multiplier or lower the sampling rate.")
+        return (f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at "
+                f"delta {self.delta:g}) is spent: epsilon {self.epsilon():.4g} "
+                f"after {self.accountant.steps} steps; not training.")
+
+    # -- saving and restoring --------------------------------------------------------------
+
+    def get_config(self) -> dict:
+        return {"privacy_delta": self.delta, "target_epsilon": self.target_epsilon,
+                "accountant": self.accountant.get_config(),
+                "exact_clipping_accountant": self.exact_clipping_accountant.get_config(),
+                "lineage": self.lineage, "caveats": sorted(self.caveats)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PrivacyBudget":
+        from tf_dp.accounting import PrivacyAccountant
+
+        budget = cls(config["privacy_delta"], config["target_epsilon"])
+        budget.accountant = PrivacyAccountant.from_config(config["accountant"])
+        budget.exact_clipping_accountant = PrivacyAccountant.from_config(
+            config.get("exact_clipping_accountant") or {})
+        budget.lineage = config.get("lineage") or budget.lineage
+        budget.caveats = set(config.get("caveats") or ())
+        return budget
+
+    def merge(self, saved: dict) -> None:
+        """Takes in a saved budget; nothing rewinds the spent budget.
+
+        Same history (lineage): keep whichever of the two records the other is a prefix of
+        (an older checkpoint restored into a model that trained further keeps the model's
+        record; a fresh model takes the file's). A budget that has spent nothing takes the
+        file's record. Otherwise both histories contributed to what the model will release:
+        compose them (a warning says so). Caveats are the union; delta and target are kept.
+        """
+        theirs = PrivacyBudget.from_config(saved)
+        same = saved.get("lineage") == self.lineage
+        caveats = self.caveats | theirs.caveats
+        mine = self.accountant
+        if mine.steps == 0 or (same and _is_prefix(mine.phases, theirs.accountant.phases)):
+            self.accountant = theirs.accountant
+            self.exact_clipping_accountant = theirs.exact_clipping_accountant
+            self.lineage = theirs.lineage
+        elif same and _is_prefix(theirs.accountant.phases, mine.phases):
+            pass  # an older state of this very run: the budget's record already covers it
+        else:
+            warnings.warn("tf_dp: loading weights trained in another run into a model that has "
+                          "already trained: both runs' steps are now accounted.", stacklevel=4)
+            for acc, other in ((mine, theirs.accountant), (self.exact_clipping_accountant,
+                                                           theirs.exact_clipping_accountant)):
+                for p in other.phases:
+                    acc.step(noise_multiplier=p.noise_multiplier,
+                             sampling_probability=p.sampling_probability,
+                             num_projections=p.num_projections, count=p.count)
+        self.caveats = caveats
+
+
+def _is_prefix(shorter, longer):
+    """True if the phases ``shorter`` are the beginning of ``longer``."""
+    if len(shorter) > len(longer):
+        return False
+    if not shorter:
+        return True
+    same = lambda a, b: (a.noise_multiplier, a.sampling_probability, a.num_projections) == (
+        b.noise_multiplier, b.sampling_probability, b.num_projections)
+    for a, b in zip(shorter[:-1], longer):
+        if not (same(a, b) and a.count == b.count):
+            return False
+    last, there = shorter[-1], longer[len(shorter) - 1]
+    return same(last, there) and last.count <= there.count
