@@ -248,6 +248,49 @@ def test_norm_strategy_must_be_known(cls, value):
         cls(l2_norm_clip=1.0, noise_multiplier=1.0, norm_strategy=value)
 
 
+@pytest.mark.parametrize("cls", _DP_CLASSES, ids=lambda c: c.__name__)
+def test_norm_strategy_objects_names_and_jl(cls):
+    import tf_dp
+
+    for given, want in [("auto", tf_dp.Auto()), ("ghost", tf_dp.Ghost()),
+                        ("vectorized", tf_dp.Vectorized()), ("vmap", tf_dp.Vectorized()),
+                        (tf_dp.Ghost(), tf_dp.Ghost()), (tf_dp.JL(3), tf_dp.JL(3))]:
+        opt = cls(1.0, 1.0, norm_strategy=given)
+        assert opt.norm_strategy == want
+        assert opt.num_projections == want.num_projections
+        again = cls.from_config(json.loads(json.dumps(opt.get_config())))
+        assert again.norm_strategy == want
+    # JL(r) is what the accountant composes (sigma, q, r); exact strategies give r = None.
+    assert cls(1.0, 2.0, norm_strategy=tf_dp.JL(4)).mechanism(0.01) == (2.0, 0.01, 4)
+    assert cls(1.0, 2.0).mechanism(0.01) == (2.0, 0.01, None)
+    assert cls(1.0, 1.0, norm_strategy="jl", num_projections=2).norm_strategy == tf_dp.JL(2)
+    assert tf_dp.JL(2) != tf_dp.JL(3) and tf_dp.Auto() != tf_dp.Ghost()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(norm_strategy="jl"), "`norm_strategy`"),
+    (dict(num_projections=3), "`num_projections`"),
+    (dict(norm_strategy="jl", num_projections=0), "`num_projections`"),
+    (dict(norm_strategy="jl", num_projections=2.0), "`num_projections`"),
+])
+def test_norm_strategy_arguments_are_checked(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DPAdam(1.0, 1.0, **kwargs)
+
+
+def test_jl_alias_is_the_exact_optimizer_with_a_jl_strategy():
+    import tf_dp
+
+    alias = tf_dp.DPAdamJL(1.0, 1.1, num_projections=3, learning_rate=0.01)
+    direct = tf_dp.DPAdam(1.0, 1.1, norm_strategy=tf_dp.JL(3), learning_rate=0.01)
+    assert isinstance(alias, tf_dp.DPAdam)
+    a, d = alias.get_config(), direct.get_config()
+    assert {k: v for k, v in a.items() if k != "name"} == {
+        k: v for k, v in d.items() if k != "name"}
+    with pytest.raises(ValueError, match="`norm_strategy`"):
+        tf_dp.DPAdamJL(1.0, 1.1, num_projections=3, norm_strategy="auto")
+
+
 @pytest.mark.parametrize("value", ["7", 1.5])
 def test_seed_must_be_an_int(value):
     with pytest.raises((TypeError, ValueError), match="`seed`"):
