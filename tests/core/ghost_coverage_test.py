@@ -271,10 +271,6 @@ class _Scale(L.Layer):
 
 
 _IDS = np.array([[1, 2, 2, 0, 0], [3, 4, 5, 6, 0], [1, 1, 1, 1, 1]], dtype="int32")
-_PERMUTED_EINSUM_BUG = (
-    "tf_dp.core.ghost.rules.einsum.einsum_term flattens the factors in input/output axis "
-    "order, not kernel order: the clipped sum lands in the wrong kernel layout when the "
-    "kernel's axes are ordered differently (norms are right). Remove this mark when fixed.")
 
 CASES = [
     # ghost ------------------------------------------------------------------------------
@@ -285,8 +281,7 @@ CASES = [
     Case("EinsumDense", "not_matmul_form", lambda: _head(
         L.EinsumDense("abc,cd->ad", (3,), bias_axes="d"), inp=(4, 5)), (4, 5)),
     Case("EinsumDense", "kernel_axes_permuted", lambda: _head(
-        L.EinsumDense("abc,ecd->abde", (4, 3, 2), bias_axes="e"), inp=(4, 5)), (4, 5),
-        xfail=_PERMUTED_EINSUM_BUG),
+        L.EinsumDense("abc,ecd->abde", (4, 3, 2), bias_axes="e"), inp=(4, 5)), (4, 5)),
     Case("Embedding", "repeated_ids", lambda: _head(L.Embedding(8, 3), inp=(5,),
                                                     dtype="int32"), _IDS),
     Case("Conv1D", "causal_dilated", lambda: _head(
@@ -360,7 +355,7 @@ CASES = [
         carriers=True),
     Case("ReparamEinsumDense", "kernel_axes_permuted", lambda: _head(
         R.ReparamEinsumDense("abc,ecd->abde", (3, 3, 2), rank=2), inp=(3, 5)), (3, 5),
-        carriers=True, xfail=_PERMUTED_EINSUM_BUG),
+        carriers=True),
     # fallback ---------------------------------------------------------------------------
     Case("RMSNormalization", "last_axis", lambda: _head(L.RMSNormalization(), inp=(3, 4)),
          (3, 4)),

@@ -10,22 +10,16 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tests import _reference as ref  # noqa: E402
 from tf_dp.core import build_per_example_loss, clipped_sum, ghost  # noqa: E402
 
 L = keras.layers
 
 
 def _brute_force(model, loss_fn, x, y, variables):
-    """Per-example gradients by a Python loop over single examples."""
-    grads = []
-    n = len(tf.nest.flatten(x)[0])
-    for i in range(n):
-        xi = tf.nest.map_structure(lambda a: a[i:i + 1], x)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(loss_fn(y[i:i + 1], model(xi, training=True)))
-        g = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        grads.append([tf.convert_to_tensor(t).numpy() for t in g])
-    return grads
+    """Per-example gradients (the shared reference), as a list over examples."""
+    per = ref.per_example_gradients(model, loss_fn, x, y, variables=variables)
+    return [[p[i] for p in per] for i in range(len(per[0]))] if per else []
 
 
 def _norms(grads):
@@ -96,21 +90,10 @@ CASES = {
 }
 
 
-def _cpu_runs_nchw_conv():
-    """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
-    on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
-    try:
-        tf.nn.conv2d(tf.zeros([1, 1, 3, 3]), tf.zeros([2, 2, 1, 1]), 1, "VALID",
-                     data_format="NCHW")
-        return True
-    except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
-        return False
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("strategy", ["ghost", "vmap"])
 def test_norms_and_clipped_sum_match_brute_force(name, strategy):
-    if "channels_first" in name and not _cpu_runs_nchw_conv():
+    if "channels_first" in name and not ref.cpu_runs_nchw_conv():
         pytest.skip("this TensorFlow build runs no channels_first Conv2D on this CPU")
     keras.utils.set_random_seed(1)
     build, x = CASES[name]

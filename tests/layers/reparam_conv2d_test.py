@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import _reference as ref
 from tf_dp.layers import ReparamConv2D
 
 _CHANNELS_IN = 3
@@ -38,17 +39,6 @@ def _grads(layer, plain, x):
     return grad_left, grad_right, grad_kernel, tape.gradient(loss, plain.kernel)
 
 
-def _cpu_runs_nchw_conv():
-    """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
-    on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
-    try:
-        tf.nn.conv2d(tf.zeros([1, 1, 3, 3]), tf.zeros([2, 2, 1, 1]), 1, "VALID",
-                     data_format="NCHW")
-        return True
-    except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
-        return False
-
-
 @pytest.mark.parametrize(
     "kwargs, input_shape",
     [
@@ -62,7 +52,7 @@ def _cpu_runs_nchw_conv():
     ids=["default", "stride2_same", "stride21_relu", "dilated_nobias", "kernel31", "nchw"],
 )
 def test_forward_matches_conv2d(kwargs, input_shape):
-    if kwargs.get("data_format") == "channels_first" and not _cpu_runs_nchw_conv():
+    if kwargs.get("data_format") == "channels_first" and not ref.cpu_runs_nchw_conv():
         pytest.skip("this TensorFlow build runs no channels_first Conv2D on this CPU")
     kwargs = dict(kwargs)
     kernel_size = kwargs.pop("kernel_size", 3)

@@ -405,5 +405,15 @@ def test_mixed_float16_fit_trains_with_a_fixed_loss_scale():
     assert max(_relative_errors(got, want)) < 2e-2
 
 
+
+def test_the_clip_norm_is_not_rounded_to_float32():
+    # A Python C goes to float64 as is: rounded to float32 first (2.0299 -> 2.02990007...),
+    # a float64 model would clip to a slightly larger norm than it was given.
+    from tf_dp.core import clip_factors
+
+    c = 2.0299
+    w = clip_factors(tf.constant([2 * c, 4 * c], tf.float64), c, tf.float64)
+    np.testing.assert_array_equal(w.numpy(), [0.5, 0.25])
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

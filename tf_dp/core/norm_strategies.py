@@ -306,7 +306,9 @@ def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error
     if isinstance(l2_norm_clip, (int, float)) and l2_norm_clip == float("inf"):
         w64 = tf.ones_like(norms)  # no clipping (a non-private reference)
     else:
-        c = tf.cast(l2_norm_clip, tf.float64)
+        # A Python number straight to float64 (tf.cast would round it to float32 first).
+        c = (tf.constant(float(l2_norm_clip), tf.float64)
+             if isinstance(l2_norm_clip, (int, float)) else tf.cast(l2_norm_clip, tf.float64))
         w64 = c / tf.maximum(norms, c)
     if non_finite == "zero":
         w64 = tf.where(tf.math.is_finite(norms), w64, tf.zeros_like(w64))

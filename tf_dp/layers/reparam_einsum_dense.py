@@ -14,18 +14,6 @@ from tf_dp.core.ghost.rules.einsum import bias_grad_fn, einsum_term, parse_einsu
 from tf_dp.layers._reparam_layer import ReparamLayer, reject_unsupported
 
 
-def _in_kernel_order(spec, mask, out=False):
-    """True when the factor a mask applies to flattens its axes in the kernel's order (the
-    order of the mask), or there is no mask."""
-    if mask is None:
-        return True
-    in_s, ker_s, out_s = spec
-    if out:
-        axes = [c for c in ker_s if c in out_s and c not in in_s]
-        return [c for c in out_s[1:] if c in axes] == axes
-    axes = [c for c in ker_s if c in in_s and c not in out_s]
-    return [c for c in in_s[1:] if c in axes] == axes
-
 
 def split_einsum_kernel_axes(equation: str) -> tuple[str, str, str, str, str]:
     """``(input_spec, kernel_spec, output_spec, input_axes, output_axes)`` of an equation.
@@ -234,8 +222,7 @@ class ReparamEinsumDense(ReparamLayer):
         left, right, m_in, m_out = self._ghost_carriers(ctx, x)
         hidden = tf.einsum(self._left_equation, tf.stop_gradient(x), left)
         right_spec = parse_einsum(self._right_equation, hidden.shape.rank)
-        if right_spec is None or not (_in_kernel_order(left_spec, m_in)
-                                      and _in_kernel_order(right_spec, m_out, out=True)):
+        if right_spec is None:
             return NotImplemented
         low_rank = tf.einsum(self._right_equation, hidden, right)
         z = tf.einsum(self.equation, x, ctx.read(self.kernel, x.dtype))

@@ -71,10 +71,12 @@ def einsum_term(z, x, in_s, ker_s, out_s, a_mask=None, g_mask=None):
     """
     b = in_s[0]
     shared = [c for c in in_s[1:] if c in out_s and c not in ker_s]
-    contract = [c for c in in_s[1:] if c in ker_s and c not in out_s]
-    kout = [c for c in out_s[1:] if c in ker_s and c not in in_s]
+    # In kernel order: the factors' flattened axes must be laid out as the kernel is
+    # (row-major), whatever order the input and output list them in.
+    contract = [c for c in ker_s if c in in_s and c not in out_s]
+    kout = [c for c in ker_s if c in out_s and c not in in_s]
     summed = [c for c in in_s[1:] if c not in out_s and c not in ker_s]
-    matmul_form = (sorted(contract + kout) == sorted(ker_s) and not summed
+    matmul_form = (list(ker_s) == contract + kout and not summed
                    and all(c in shared or c in kout for c in out_s[1:]))
     if not matmul_form:
         if a_mask is not None or g_mask is not None:
