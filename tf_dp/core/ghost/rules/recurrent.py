@@ -64,6 +64,22 @@ def _prepare(layer, ctx, sequences, mask, initial_state, training, layer_cls, ce
             ctx.read(cell.recurrent_kernel, x.dtype))
 
 
+def _recurrent_rule(layer_cls, cell_cls):
+    """Registers ``body(layer, ctx, x, mask, kernel, recurrent_kernel) -> output`` as the
+    rule of ``layer_cls`` for the calls ``_prepare`` supports (the others decline)."""
+
+    def deco(body):
+        def rule(layer, ctx, sequences, initial_state=None, mask=None, training=False):
+            prep = _prepare(layer, ctx, sequences, mask, initial_state, training, layer_cls,
+                            cell_cls)
+            return NotImplemented if prep is None else body(layer, ctx, *prep)
+
+        register_ghost_rule(layer_cls)(rule)
+        return rule
+
+    return deco
+
+
 def _run(layer, zx, mask, num_states, cell_step):
     """Runs ``cell_step(states, z_t) -> (new_states, extra)`` over time (``tf.scan``).
 
@@ -108,17 +124,26 @@ def _previous(hs):
     return tf.concat([tf.zeros_like(hs[:, :1]), hs[:, :-1]], axis=1)
 
 
-@register_ghost_rule(keras.layers.LSTM)
-def _lstm(layer, ctx, sequences, initial_state=None, mask=None, training=False):
-    prep = _prepare(layer, ctx, sequences, mask, initial_state, training, keras.layers.LSTM,
-                    keras.layers.LSTMCell)
-    if prep is None:
-        return NotImplemented
-    x, mask, kernel, recurrent = prep
-    cell = layer.cell
+def _projected(layer, ctx, x, kernel, with_bias=True):
+    """``zx = x K (+ b)``: every step's input projection, formed before the recurrence."""
     zx = tf.einsum("btd,dp->btp", x, kernel)
+    if with_bias and layer.cell.use_bias:
+        zx = zx + ctx.read(layer.cell.bias, x.dtype)
+    return zx
+
+
+def _record_plain(ctx, cell, x, zx, hs):
+    """K: sum_t x_t (outer) dz_t; U: sum_t h_{t-1} (outer) dz_t; b: sum_t dz_t."""
+    ctx.add(cell.kernel, OuterTerm(zx, lambda: x))
+    ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: _previous(hs)))
     if cell.use_bias:
-        zx = zx + ctx.read(cell.bias, x.dtype)
+        ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
+
+
+@_recurrent_rule(keras.layers.LSTM, keras.layers.LSTMCell)
+def _lstm(layer, ctx, x, mask, kernel, recurrent):
+    cell = layer.cell
+    zx = _projected(layer, ctx, x, kernel)
 
     def cell_step(states, z_t):
         h, c = states
@@ -129,20 +154,12 @@ def _lstm(layer, ctx, sequences, initial_state=None, mask=None, training=False):
         return (h_new, c_new), h_new
 
     hs, _, output = _run(layer, zx, mask, 2, cell_step)
-    ctx.add(cell.kernel, OuterTerm(zx, lambda: x))
-    ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: _previous(hs)))
-    if cell.use_bias:
-        ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
+    _record_plain(ctx, cell, x, zx, hs)
     return output
 
 
-@register_ghost_rule(keras.layers.GRU)
-def _gru(layer, ctx, sequences, initial_state=None, mask=None, training=False):
-    prep = _prepare(layer, ctx, sequences, mask, initial_state, training, keras.layers.GRU,
-                    keras.layers.GRUCell)
-    if prep is None:
-        return NotImplemented
-    x, mask, kernel, recurrent = prep
+@_recurrent_rule(keras.layers.GRU, keras.layers.GRUCell)
+def _gru(layer, ctx, x, mask, kernel, recurrent):
     cell = layer.cell
     units, reset_after = cell.units, cell.reset_after
     zx = tf.einsum("btd,dp->btp", x, kernel)
@@ -205,17 +222,10 @@ def _gru(layer, ctx, sequences, initial_state=None, mask=None, training=False):
     return output
 
 
-@register_ghost_rule(keras.layers.SimpleRNN)
-def _simple_rnn(layer, ctx, sequences, initial_state=None, mask=None, training=False):
-    prep = _prepare(layer, ctx, sequences, mask, initial_state, training,
-                    keras.layers.SimpleRNN, keras.layers.SimpleRNNCell)
-    if prep is None:
-        return NotImplemented
-    x, mask, kernel, recurrent = prep
+@_recurrent_rule(keras.layers.SimpleRNN, keras.layers.SimpleRNNCell)
+def _simple_rnn(layer, ctx, x, mask, kernel, recurrent):
     cell = layer.cell
-    zx = tf.einsum("btd,dp->btp", x, kernel)
-    if cell.use_bias:
-        zx = zx + ctx.read(cell.bias, x.dtype)
+    zx = _projected(layer, ctx, x, kernel)
 
     def cell_step(states, z_t):
         (h,) = states
@@ -225,8 +235,5 @@ def _simple_rnn(layer, ctx, sequences, initial_state=None, mask=None, training=F
         return (h_new,), h_new
 
     hs, _, output = _run(layer, zx, mask, 1, cell_step)
-    ctx.add(cell.kernel, OuterTerm(zx, lambda: x))
-    ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: _previous(hs)))
-    if cell.use_bias:
-        ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
+    _record_plain(ctx, cell, x, zx, hs)
     return output
