@@ -77,10 +77,23 @@ class ReparamLayer(keras.layers.Layer):
         warmup_steps=0,
         carrier_init="historical",
         seed=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
         **kwargs,
     ):
         validate_reparam_args(rank, sparsity, power_iterations, warmup_steps, carrier_init, seed)
         super().__init__(**kwargs)
+        # The Keras kernel/bias options, as the plain layer takes them.
+        self.kernel_initializer = initializers.get(kernel_initializer)
+        self.bias_initializer = initializers.get(bias_initializer)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
+        self.bias_regularizer = regularizers.get(bias_regularizer)
+        self.kernel_constraint = constraints.get(kernel_constraint)
+        self.bias_constraint = constraints.get(bias_constraint)
         self.rank = int(rank)
         self.sparsity = None if sparsity is None else float(sparsity)
         self.power_iterations = int(power_iterations)
@@ -91,23 +104,6 @@ class ReparamLayer(keras.layers.Layer):
         self.seed = int(seed) if seed is not None else random.randint(0, 2**31 - 1)
 
     # ------------------------------------------------------------------ kernel and bias
-    def _set_weight_options(
-        self,
-        kernel_initializer,
-        bias_initializer,
-        kernel_regularizer,
-        bias_regularizer,
-        kernel_constraint,
-        bias_constraint,
-    ):
-        """Stores the Keras kernel/bias options shared by every reparametrized layer."""
-        self.kernel_initializer = initializers.get(kernel_initializer)
-        self.bias_initializer = initializers.get(bias_initializer)
-        self.kernel_regularizer = regularizers.get(kernel_regularizer)
-        self.bias_regularizer = regularizers.get(bias_regularizer)
-        self.kernel_constraint = constraints.get(kernel_constraint)
-        self.bias_constraint = constraints.get(bias_constraint)
-
     def _weight_options_config(self):
         return {
             "kernel_initializer": initializers.serialize(self.kernel_initializer),
@@ -220,6 +216,12 @@ class ReparamLayer(keras.layers.Layer):
             left = left * left_mask + ops.stop_gradient(left * (1.0 - left_mask))
             right = right * right_mask + ops.stop_gradient(right * (1.0 - right_mask))
         return left, right
+
+    def _bias_and_activation(self, outputs):
+        """``activation(outputs + bias)`` for a bias that broadcasts over ``outputs``."""
+        if self.bias is not None:
+            outputs = ops.add(outputs, ops.cast(self.bias, outputs.dtype))
+        return self.activation(outputs) if self.activation is not None else outputs
 
     def _frozen_kernel(self):
         """``stop_gradient(W)`` in the kernel layout: W gets no autodiff gradient."""

@@ -71,22 +71,10 @@ class ReparamConv2D(ReparamLayer):
         groups=1,
         activation=None,
         use_bias=True,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
         lora_rank=None,
         lora_alpha=None,
         *,
         rank,
-        sparsity=None,
-        power_iterations=1,
-        warmup_steps=0,
-        carrier_init="historical",
-        seed=None,
         **kwargs,
     ):
         if not isinstance(filters, int) or isinstance(filters, bool) or filters <= 0:
@@ -113,16 +101,7 @@ class ReparamConv2D(ReparamLayer):
             raise ValueError(
                 f"`data_format` must be 'channels_last' or 'channels_first', got {data_format!r}"
             )
-        super().__init__(
-            rank=rank,
-            sparsity=sparsity,
-            power_iterations=power_iterations,
-            warmup_steps=warmup_steps,
-            carrier_init=carrier_init,
-            seed=seed,
-            activity_regularizer=activity_regularizer,
-            **kwargs,
-        )
+        super().__init__(rank=rank, **kwargs)
         self.filters = filters
         self.kernel_size = kernel_size
         self.strides = strides
@@ -132,14 +111,6 @@ class ReparamConv2D(ReparamLayer):
         self.groups = 1
         self.activation = activations.get(activation)
         self.use_bias = use_bias
-        self._set_weight_options(
-            kernel_initializer,
-            bias_initializer,
-            kernel_regularizer,
-            bias_regularizer,
-            kernel_constraint,
-            bias_constraint,
-        )
         self.input_spec = keras.layers.InputSpec(min_ndim=4)
 
     def _channel_axis(self):

@@ -73,23 +73,11 @@ class ReparamDense(ReparamLayer):
         units,
         activation=None,
         use_bias=True,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
         lora_rank=None,
         lora_alpha=None,
         quantization_config=None,
         *,
         rank,
-        sparsity=None,
-        power_iterations=1,
-        warmup_steps=0,
-        carrier_init="historical",
-        seed=None,
         **kwargs,
     ):
         if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
@@ -97,27 +85,10 @@ class ReparamDense(ReparamLayer):
         reject_unsupported(
             "ReparamDense", lora_rank=lora_rank, quantization_config=quantization_config
         )
-        super().__init__(
-            rank=rank,
-            sparsity=sparsity,
-            power_iterations=power_iterations,
-            warmup_steps=warmup_steps,
-            carrier_init=carrier_init,
-            seed=seed,
-            activity_regularizer=activity_regularizer,
-            **kwargs,
-        )
+        super().__init__(rank=rank, **kwargs)
         self.units = units
         self.activation = activations.get(activation)
         self.use_bias = use_bias
-        self._set_weight_options(
-            kernel_initializer,
-            bias_initializer,
-            kernel_regularizer,
-            bias_regularizer,
-            kernel_constraint,
-            bias_constraint,
-        )
         self.input_spec = keras.layers.InputSpec(min_ndim=2)
         self.supports_masking = True
 
@@ -142,11 +113,7 @@ class ReparamDense(ReparamLayer):
         hidden = ops.matmul(ops.stop_gradient(inputs), left)
         x = ops.matmul(inputs, self._frozen_kernel())
         x = ops.add(x, self._carrier_term(ops.matmul(hidden, right)))
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
+        return self._bias_and_activation(x)
 
     def ghost_call(self, ctx, inputs, training=None):
         """Ghost rule (``tf_dp.register_ghost_rule`` protocol): ``h = sg(x) L`` and

@@ -86,23 +86,12 @@ class ReparamEinsumDense(ReparamLayer):
         output_shape,
         activation=None,
         bias_axes=None,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
         lora_rank=None,
         lora_alpha=None,
         gptq_unpacked_column_size=None,
         quantization_config=None,
         *,
         rank,
-        sparsity=None,
-        power_iterations=1,
-        warmup_steps=0,
-        carrier_init="historical",
-        seed=None,
         **kwargs,
     ):
         specs = split_einsum_kernel_axes(equation)
@@ -112,15 +101,7 @@ class ReparamEinsumDense(ReparamLayer):
             gptq_unpacked_column_size=gptq_unpacked_column_size,
             quantization_config=quantization_config,
         )
-        super().__init__(
-            rank=rank,
-            sparsity=sparsity,
-            power_iterations=power_iterations,
-            warmup_steps=warmup_steps,
-            carrier_init=carrier_init,
-            seed=seed,
-            **kwargs,
-        )
+        super().__init__(rank=rank, **kwargs)
         self.equation = equation
         if isinstance(output_shape, int):
             self.partial_output_shape = (output_shape,)
@@ -128,14 +109,6 @@ class ReparamEinsumDense(ReparamLayer):
             self.partial_output_shape = tuple(output_shape)
         self.bias_axes = bias_axes
         self.activation = activations.get(activation)
-        self._set_weight_options(
-            kernel_initializer,
-            bias_initializer,
-            kernel_regularizer,
-            bias_regularizer,
-            kernel_constraint,
-            bias_constraint,
-        )
         input_spec, kernel_spec, output_spec, input_axes, output_axes = specs
         # The einsum equations of the two carrier products, with a fresh letter for rank.
         free = next(a for a in string.ascii_letters[::-1] if a not in equation)
@@ -202,11 +175,7 @@ class ReparamEinsumDense(ReparamLayer):
         hidden = tf.einsum(self._left_equation, tf.stop_gradient(inputs), left)
         x = tf.einsum(self.equation, inputs, self._frozen_kernel())
         x = ops.add(x, self._carrier_term(tf.einsum(self._right_equation, hidden, right)))
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
+        return self._bias_and_activation(x)
 
     def ghost_call(self, ctx, inputs, training=None):
         """Ghost rule (``tf_dp.register_ghost_rule`` protocol): as ``call``; L's and R's
