@@ -106,3 +106,24 @@ def seed(value) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise ValueError(f"`seed` must be an int or None, got {value!r}.")
     return None if value is None else int(value)
+
+
+def non_negative_int(value: int, name: str) -> int:
+    """An integer >= 0 (``warmup_steps``, ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    return int(value)
+
+
+def fraction(value: float, name: str) -> float:
+    """A number in [0, 1) (LSG ``sparsity``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+    return float(value)
+
+
+def one_of(value, name: str, choices) -> object:
+    """``value`` if it is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}.")
+    return value

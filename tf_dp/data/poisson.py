@@ -8,6 +8,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tf_dp import _validation
 from tf_dp.core import randomness
 
 # Datasets made by PoissonSampler.dataset(), mapped to their sampler: fit() recognises them
@@ -68,20 +69,15 @@ class PoissonSampler:
                 raise ValueError(f"`expected_batch_size` must be > 0, got "
                                  f"{expected_batch_size}.")
             sampling_probability = expected_batch_size / n
-        if not (isinstance(sampling_probability, (int, float))
-                and 0 < sampling_probability <= 1):
-            raise ValueError(f"`sampling_probability` must be in (0, 1], got "
-                             f"{sampling_probability!r} (expected batch size / dataset size).")
-        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < 1):
-            raise ValueError(f"`pad_to` must be a positive integer, got {pad_to!r}.")
+        sampling_probability = _validation.sampling_probability(sampling_probability)
+        if pad_to is not None:
+            pad_to = _validation.positive_int(pad_to, "pad_to")
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.dataset_size = n
         self.sampling_probability = float(sampling_probability)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
         self.pad_to = pad_to
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"`seed` must be an int or None, got {seed!r}.")
-        self.seed = None if seed is None else int(seed)
+        self.seed = _validation.seed(seed)
         if seed is not None:
             randomness.warn_seeded("PoissonSampler", seed)
         # Every logical batch takes a fresh seed from this stream (a counter that only goes

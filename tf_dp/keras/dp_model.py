@@ -421,13 +421,10 @@ def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, samplin
     if sampling_probability is not None and dataset_size is None:
         raise ValueError("`sampling_probability` needs `dataset_size` too (the expected batch "
                          "size q * N divides the noisy sum).")
-    if dataset_size is not None and (isinstance(dataset_size, bool) or not isinstance(
-            dataset_size, (int, np.integer)) or dataset_size < 1):
-        raise ValueError(f"`dataset_size` must be a positive integer, got {dataset_size!r}.")
+    if dataset_size is not None:
+        dataset_size = _validation.positive_int(dataset_size, "dataset_size")
     if sampling_probability is not None:
-        if not (isinstance(sampling_probability, (int, float)) and 0 < sampling_probability <= 1):
-            raise ValueError("`sampling_probability` must be in (0, 1], got "
-                             f"{sampling_probability!r}.")
+        sampling_probability = _validation.sampling_probability(sampling_probability)
         return float(sampling_probability), float(sampling_probability) * dataset_size, True
     if isinstance(x, tf.data.Dataset):
         if dataset_size is None:

@@ -10,41 +10,28 @@ in `ReparamDense`'s docstring.
 from __future__ import annotations
 
 import math
-import numbers
 import random
 
 import keras
 import tensorflow as tf
 from keras import constraints, initializers, ops, regularizers
 
+from tf_dp import _validation
 from tf_dp.layers.carriers import power_method, random_carriers, reconstruct_update
 from tf_dp.layers.lsg import lsg_masks, unit_importances
 
 CARRIER_INITS = ("historical", "random")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def validate_reparam_args(rank, sparsity, power_iterations, warmup_steps, carrier_init, seed):
     """Raises ValueError naming the first bad RGP/LSG constructor argument."""
-    if not _is_int(rank) or rank < 1:
-        raise ValueError(f"`rank` must be an integer >= 1, got {rank!r}")
-    if sparsity is not None and (
-        isinstance(sparsity, bool)
-        or not isinstance(sparsity, numbers.Real)
-        or not 0.0 <= sparsity < 1.0
-    ):
-        raise ValueError(f"`sparsity` must be None or a float in [0, 1), got {sparsity!r}")
-    if not _is_int(power_iterations) or power_iterations < 1:
-        raise ValueError(f"`power_iterations` must be an integer >= 1, got {power_iterations!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}")
-    if carrier_init not in CARRIER_INITS:
-        raise ValueError(f"`carrier_init` must be one of {CARRIER_INITS}, got {carrier_init!r}")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"`seed` must be None or an integer, got {seed!r}")
+    _validation.positive_int(rank, "rank")
+    if sparsity is not None:
+        _validation.fraction(sparsity, "sparsity")
+    _validation.positive_int(power_iterations, "power_iterations")
+    _validation.non_negative_int(warmup_steps, "warmup_steps")
+    _validation.one_of(carrier_init, "carrier_init", CARRIER_INITS)
+    _validation.seed(seed)
 
 
 def masked(factor, mask):
