@@ -769,5 +769,73 @@ def test_a_refused_step_does_not_advance_the_step_counter(k):
     assert int(model.optimizer.iterations) == 0
 
 
+
+class _UnbuiltMLP(DPModel):
+    """A DPModel subclass whose layers are built by the first call (issue 11, bug 1)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+class _PlainMLP(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("kind", ["dpmodel_subclass", "private_subclass", "sequential_no_input"])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_models_not_built_yet_train(kind, optimizer):
+    # Optimizer slots for variables the first traced forward pass creates must not be created
+    # inside the traced step (tf.function singleton-variable error).
+    x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, size=32)
+    model = {"dpmodel_subclass": _UnbuiltMLP,
+             "private_subclass": lambda: make_private(_PlainMLP()),
+             "sequential_no_input": lambda: make_private(keras.Sequential(
+                 [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]))}[kind]()
+    assert not model.built
+    opt = (DPSGD(1.0, 1.0, learning_rate=0.1, momentum=0.9) if optimizer == "momentum"
+           else DPAdam(1.0, 1.0, learning_rate=1e-2))
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert history.history["epsilon"][-1] > 0 and model.accountant.steps > 0
+    before = model.accountant.steps
+    model.train_on_batch(x[:8], y[:8])
+    assert model.accountant.steps == before + 1
+
+
+def test_compile_then_make_private_keeps_the_compile_arguments():
+    x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, size=32)
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    plain.compile(optimizer=DPAdam(1.0, 1.0, learning_rate=1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    private = make_private(plain)
+    assert isinstance(private.optimizer, DPAdam) and private.optimizer.l2_norm_clip == 1.0
+    history = private.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert "accuracy" in history.history and private.epsilon() > 0
+    # A plain optimizer would train without privacy: refused, with what to do.
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    other.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match="`model` is already compiled with Adam"):
+        make_private(other)
+
+
+def test_keras_clipnorm_on_a_dp_optimizer_warns_that_it_is_not_per_example():
+    with pytest.warns(UserWarning, match="not per example"):
+        DPAdam(1.0, 1.0, clipnorm=1.0)
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

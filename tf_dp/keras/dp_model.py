@@ -582,8 +582,10 @@ def make_private(model: keras.Model, delta: float = 1e-5,
     """Returns a private version of ``model`` sharing its layers and weights.
 
     Functional and Sequential models become ``DPModel`` / ``DPSequential`` over the same
-    layers (no copy of weights). A subclassed model gets a private train step installed on
-    a new class derived from its own, so its ``call`` and state are kept.
+    layers (no copy of weights): use the returned model. A subclassed model gets a private
+    train step installed on a new class derived from its own, so its ``call`` and state are
+    kept: the returned model is ``model`` itself. A model already compiled with a tf_dp
+    optimizer keeps its compile arguments.
 
     Args:
       model: a Keras model (functional, Sequential or subclassed).
@@ -592,14 +594,27 @@ def make_private(model: keras.Model, delta: float = 1e-5,
 
     Raises:
       TypeError: if ``model`` is not a ``keras.Model``.
-      ValueError: if ``delta`` or ``target_epsilon`` is out of range.
+      ValueError: if ``delta`` or ``target_epsilon`` is out of range, or ``model`` is compiled
+        with a plain (non-private) optimizer.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     delta = _validation.delta(delta)
     if target_epsilon is not None:
         target_epsilon = _validation.positive_epsilon(target_epsilon)
+    compile_config = None
+    if getattr(model, "compiled", False) and not isinstance(model, DPTrainMixin):
+        if _dp_optimizer_of(getattr(model, "optimizer", None)) is None:
+            raise ValueError(
+                f"`model` is already compiled with {type(model.optimizer).__name__}, a plain "
+                "optimizer that would train without privacy: call make_private(model) first, "
+                "then compile the private model with a tf_dp optimizer (e.g. tf_dp.DPAdam).")
+        compile_config = model.get_compile_config()
     private = _private_version(model)
+    if compile_config is not None:
+        # The same compile arguments for the private train step (the DP optimizer, which has
+        # taken no step, is rebuilt from its config).
+        private.compile_from_config(compile_config)
     private.privacy_delta = float(delta)
     private.target_epsilon = None if target_epsilon is None else float(target_epsilon)
     return private

@@ -85,6 +85,13 @@ class DPOptimizerMixin:
         self._inside_private_step = False
         if seed is not None:
             randomness.warn_seeded(type(self).__name__, seed)
+        clip_args = {k: kwargs.get(k) for k in ("clipnorm", "global_clipnorm", "clipvalue")
+                     if kwargs.get(k) is not None}
+        if clip_args:
+            warnings.warn(f"tf_dp: {type(self).__name__} got {clip_args}: Keras applies it to the "
+                          "noised mean gradient (post-processing, harmless to privacy), not per "
+                          "example. Per-example clipping is `l2_norm_clip`.", UserWarning,
+                          stacklevel=3)
         if sigma == 0:
             warnings.warn(f"tf_dp: {type(self).__name__} has `noise_multiplier=0`: its updates "
                           "are not private (epsilon is infinite). Use it only as a non-private "
