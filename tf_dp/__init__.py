@@ -16,6 +16,7 @@ Subpackages: ``accounting``, ``core``, ``data``, ``datasets``, ``keras``, ``laye
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,15 @@ _PUBLIC = {
 }
 
 
+def _register_keras_classes():
+    """Imports the modules that register tf_dp's Keras classes (models, optimizers, layers)
+    for deserialization, so that ``keras.saving.load_model`` finds them after ``import
+    tf_dp``. Done at import only when Keras is already loaded: ``import tf_dp.accounting``
+    alone must not load TensorFlow. ``tf_dp.keras.load_model`` always works."""
+    for module in ("keras", "optimizers", "layers"):
+        importlib.import_module(f"tf_dp.{module}")
+
+
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"tf_dp.{name}")
@@ -42,3 +52,7 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(_SUBMODULES) + list(_PUBLIC) + ["__version__"])
+
+
+if "keras" in sys.modules:
+    _register_keras_classes()

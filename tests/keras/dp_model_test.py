@@ -837,5 +837,29 @@ def test_keras_clipnorm_on_a_dp_optimizer_warns_that_it_is_not_per_example():
     with pytest.warns(UserWarning, match="not per example"):
         DPAdam(1.0, 1.0, clipnorm=1.0)
 
+
+@pytest.mark.parametrize("snippet", [
+    "import keras, tf_dp; m = keras.saving.load_model(PATH)",
+    "import tf_dp; m = tf_dp.keras.load_model(PATH)",
+])
+def test_a_saved_private_model_loads_in_a_fresh_process_after_import_tf_dp(tmp_path, snippet):
+    import os
+    import subprocess
+
+    path = str(tmp_path / "private.keras")
+    model = make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=DPAdam(1.0, 1.0), loss="mse")
+    model.fit(np.zeros((16, 4), "float32"), np.zeros((16, 2), "float32"), batch_size=4,
+              verbose=0)
+    model.save(path)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = snippet.replace("PATH", repr(path)) + (
+        "; print(type(m).__name__, type(m.optimizer).__name__, m.accountant.steps)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["DPSequential", "DPAdam", str(model.accountant.steps)]
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
