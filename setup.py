@@ -15,7 +15,11 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "tensorflow-cpu>=2.21,<2.22",
-        "keras>=3.10,<4",
+        # Not 3.10/3.11: tensorflow-cpu 2.21 requires keras>=3.12.0. Not 3.12: tf_dp reads
+        # keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR (tf_dp/_internals.py), added in
+        # Keras 3.13.0, so every DPModel.fit fails on 3.12.x. Both ends are checked by
+        # scripts/keras_range.sh; see docs/keras_versions.md.
+        "keras>=3.13,<4",
         "numpy>=2,<3",
         "scipy>=1.11",
         "absl-py>=2",
