@@ -51,7 +51,9 @@ def global_seed_generator():
         from keras.src.random import seed_generator
     except ImportError:  # pragma: no cover - moved in a future Keras
         return None
-    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    # The constant exists from Keras 3.13; 3.12 uses the same string literally.
+    key = getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator")
+    return global_state.get_global_attribute(key)
 
 
 def added_losses(layer) -> list:
