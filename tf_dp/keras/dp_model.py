@@ -572,6 +572,27 @@ class DPModel(DPTrainMixin, keras.Model):
     """
 
 
+    def __new__(cls, *args, **kwargs):
+        # DPModel(inputs, outputs) is a functional model. Keras would make it one by
+        # rewriting the bases of DPModel itself (Functional in place of Model), after which no
+        # subclass of DPModel could be built without inputs in this process: use a class of
+        # its own instead.
+        if cls is DPModel and _functional_arguments(args, kwargs):
+            return super().__new__(DPFunctional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+def _functional_arguments(args, kwargs):
+    return (len(args) == 2 or (len(args) == 1 and "outputs" in kwargs)
+            or ("inputs" in kwargs and "outputs" in kwargs))
+
+
+@keras.saving.register_keras_serializable(package="tf_dp")
+class DPFunctional(DPModel, _internals.functional_class()):
+    """What ``DPModel(inputs, outputs)`` and ``make_private`` of a functional model return:
+    a functional Keras model with the private train step (an instance of ``DPModel``)."""
+
+
 @keras.saving.register_keras_serializable(package="tf_dp")
 class DPSequential(DPTrainMixin, keras.Sequential):
     """A ``keras.Sequential`` that trains with differential privacy (see ``DPModel``)."""
