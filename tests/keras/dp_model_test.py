@@ -861,5 +861,39 @@ def test_a_saved_private_model_loads_in_a_fresh_process_after_import_tf_dp(tmp_p
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["DPSequential", "DPAdam", str(model.accountant.steps)]
 
+
+def test_fixed_batch_note_follows_verbose_and_stays_in_the_report():
+    import warnings
+
+    x = np.zeros((16, 4), "float32")
+    y = np.zeros((16, 2), "float32")
+    for verbose, warned in [(0, False), (2, True)]:
+        model = make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        model.compile(optimizer=DPSGD(1.0, 1.0), loss="mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=4, poisson_sampling=False, verbose=verbose)
+        notes = [w for w in caught if "fixed (shuffled) batches" in str(w.message)]
+        assert len(notes) == (1 if warned else 0)
+        assert any(c.startswith("FIXED_BATCHES") for c in model.privacy_report()["caveats"])
+
+
+def test_vectorized_fallback_does_not_repeat_tensorflow_pfor_notes():
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("tensorflow")
+    logger.addHandler(handler)
+    try:
+        model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+        clipped_sum(model, np.ones((3, 6, 6, 1), "float32"), np.zeros((3, 2), "float32"),
+                    None, build_per_example_loss("mse"), 1.0, norm_strategy="vectorized")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "Fix that" in r.getMessage()]
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -69,6 +69,25 @@ def _unrolled_rnns(model):
             layer.unroll = value
 
 
+class _PforFallbackFilter(logging.Filter):
+    """Drops pfor's "<op> uses a while_loop. Fix that!" notes (one per op kind and trace):
+    the loop it falls back to is exact, and tf_dp's fallback is documented."""
+
+    def filter(self, record):
+        return "uses a while_loop. Fix that!" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_pfor_fallbacks():
+    logger = logging.getLogger("tensorflow")
+    quiet = _PforFallbackFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def _expand(structure):
     return tf.nest.map_structure(lambda t: None if t is None else t[None], structure)
 
@@ -108,7 +127,7 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
     elems = (x, y, sample_weight) if has_weight else (x, y)
     if mode in ("auto", "vectorize"):
         try:
-            with vectorizable(model):
+            with vectorizable(model), _quiet_pfor_fallbacks():
                 return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
         except Exception as err:  # pfor conversion errors surface as many types
             if mode == "vectorize":

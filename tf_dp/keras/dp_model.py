@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import keras
@@ -238,15 +239,14 @@ class DPTrainMixin:
                                 "draw them and cannot check it.")
             else:
                 self._dp_caveat("FIXED_BATCHES: " + _FIXED_BATCH_NOTE[len("tf_dp: "):])
-                warnings.warn(_FIXED_BATCH_NOTE, UserWarning, stacklevel=2)
+                _notice(_FIXED_BATCH_NOTE, verbose)
             fit_args = dict(x=x, y=y, batch_size=batch_size, validation_split=validation_split,
                             shuffle=shuffle if _is_array_like(x) else False,
                             sample_weight=sample_weight,
                             steps_per_epoch=steps_per_epoch)
         budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
-            warnings.warn(self.privacy_budget.no_budget_message(opt.mechanism(q)), UserWarning,
-                          stacklevel=2)
+            _notice(self.privacy_budget.no_budget_message(opt.mechanism(q)), verbose)
             return _empty_history(self)
         if budget is not None:
             # Never more logical steps than the budget allows, whatever steps_per_execution:
@@ -410,6 +410,15 @@ class DPTrainMixin:
         self.compile(**config)
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
+
+
+def _notice(text, verbose):
+    """A caveat or notice of ``fit``: a UserWarning, or with ``verbose=0`` a log record of the
+    "tf_dp" logger (the privacy report keeps the caveats either way)."""
+    if verbose == 0:
+        logging.getLogger("tf_dp").info(text)
+    else:
+        warnings.warn(text, UserWarning, stacklevel=3)
 
 
 def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, sampling_probability):
