@@ -74,6 +74,16 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def compile_loss(model):
+    """Keras' compiled loss (a ``CompileLoss``), whose metrics are the per-output losses
+    ("a_loss", ...) of a multi-output model; None before ``compile``.
+
+    Private: ``Trainer._compile_loss``. Public replacement: none (``model.compute_loss``
+    updates them too, but also the "loss" tracker, with a loss the private step never forms).
+    """
+    return getattr(model, "_compile_loss", None)
+
+
 def causal_padding(layer):
     """The padding of a ``padding="causal"`` Conv1D, as a ``tf.pad`` argument.
 
@@ -147,7 +157,7 @@ def give_class(obj, cls) -> None:
     obj.__class__ = cls
 
 
-__all__ = ["added_losses", "all_layers", "analyze_einsum_string", "causal_padding",
+__all__ = ["added_losses", "all_layers", "analyze_einsum_string", "causal_padding", "compile_loss",
            "conv_output_shape", "functional_class", "give_class", "global_seed_generator",
            "is_functional", "loss_tracker", "reshape_into_groups", "seed_generators",
            "sublayers"]

@@ -895,5 +895,22 @@ def test_vectorized_fallback_does_not_repeat_tensorflow_pfor_notes():
         logger.removeHandler(handler)
     assert not [r for r in records if "Fix that" in r.getMessage()]
 
+
+def test_multi_output_models_report_per_output_losses_like_keras():
+    rng = np.random.default_rng(0)
+    inp = keras.Input((4,))
+    hidden = keras.layers.Dense(8)(inp)
+    outputs = [keras.layers.Dense(2, name="a")(hidden), keras.layers.Dense(1, name="b")(hidden)]
+    model = make_private(keras.Model(inp, outputs))
+    model.compile(optimizer=DPAdam(1.0, 1.0), loss={"a": "mse", "b": "mae"})
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = {"a": rng.normal(size=(32, 2)).astype("float32"),
+         "b": rng.normal(size=(32, 1)).astype("float32")}
+    logs = model.fit(x, y, batch_size=8, epochs=1, verbose=0, poisson_sampling=False).history
+    assert {"a_loss", "b_loss", "loss", "epsilon"} <= set(logs)
+    # The total per-example loss is the sum of the outputs' losses (equal batches here).
+    np.testing.assert_allclose(logs["loss"][-1], logs["a_loss"][-1] + logs["b_loss"][-1],
+                               rtol=1e-5)
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

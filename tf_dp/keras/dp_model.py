@@ -402,6 +402,11 @@ class DPTrainMixin:
             included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
         _internals.loss_tracker(self).update_state(mean_loss, sample_weight=included)
+        compile_loss = _internals.compile_loss(self)
+        if compile_loss is not None and len(tf.nest.flatten(y_pred)) > 1:
+            # Several outputs: Keras' per-output losses ("a_loss", ...) in the logs, as plain
+            # Keras reports them (computed on the outputs only; no gradient flows from here).
+            compile_loss(y, tf.nest.map_structure(tf.stop_gradient, y_pred), sample_weight)
         self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def compile_from_config(self, config):
