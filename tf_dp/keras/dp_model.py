@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 
 import keras
@@ -239,14 +238,18 @@ class DPTrainMixin:
                                 "draw them and cannot check it.")
             else:
                 self._dp_caveat("FIXED_BATCHES: " + _FIXED_BATCH_NOTE[len("tf_dp: "):])
-                _notice(_FIXED_BATCH_NOTE, verbose)
+                # A warning whatever `verbose`: the proven guarantee does not cover this run.
+                warnings.warn(_FIXED_BATCH_NOTE, UserWarning, stacklevel=2)
             fit_args = dict(x=x, y=y, batch_size=batch_size, validation_split=validation_split,
                             shuffle=shuffle if _is_array_like(x) else False,
                             sample_weight=sample_weight,
                             steps_per_epoch=steps_per_epoch)
         budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
-            _notice(self.privacy_budget.no_budget_message(opt.mechanism(q)), verbose)
+            # Always a warning, whatever `verbose`: nothing trains and fit returns an empty
+            # History, which must not pass unnoticed.
+            warnings.warn(self.privacy_budget.no_budget_message(opt.mechanism(q)), UserWarning,
+                          stacklevel=2)
             return _empty_history(self)
         if budget is not None:
             # Never more logical steps than the budget allows, whatever steps_per_execution:
@@ -415,15 +418,6 @@ class DPTrainMixin:
         self.compile(**config)
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
-
-
-def _notice(text, verbose):
-    """A caveat or notice of ``fit``: a UserWarning, or with ``verbose=0`` a log record of the
-    "tf_dp" logger (the privacy report keeps the caveats either way)."""
-    if verbose == 0:
-        logging.getLogger("tf_dp").info(text)
-    else:
-        warnings.warn(text, UserWarning, stacklevel=3)
 
 
 def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, sampling_probability):
@@ -666,7 +660,29 @@ def _private_version(model):
     if _internals.is_functional(model):
         return DPModel(inputs=model.inputs, outputs=model.outputs, name=model.name)
     # Subclassed model: derive a private class so the instance keeps its own call/state.
-    cls = type(model)
-    private_cls = type(f"Private{cls.__name__}", (DPTrainMixin, cls), {})
-    _internals.give_class(model, private_cls)
+    _internals.give_class(model, private_subclass(type(model)))
     return model
+
+
+_PRIVATE_CLASSES = {}
+_PRIVATE_PREFIX = "Private."
+
+
+def private_subclass(cls):
+    """The private version of a subclassed model class (made once per class), registered for
+    Keras serialization as ``tf_dp>Private.<the class's registered name>``; its configs name
+    the base class, so ``tf_dp.keras.load_model`` can remake it in a fresh process."""
+    if cls not in _PRIVATE_CLASSES:
+        base_name = keras.saving.get_registered_name(cls)
+
+        def get_config(self):
+            config = DPTrainMixin.get_config(self)
+            config["tf_dp"]["base_class"] = base_name
+            return config
+
+        private = type(f"Private{cls.__name__}", (DPTrainMixin, cls),
+                       {"get_config": get_config, "__module__": cls.__module__})
+        name = _PRIVATE_PREFIX + base_name.replace(">", ".")
+        _PRIVATE_CLASSES[cls] = keras.saving.register_keras_serializable(
+            package="tf_dp", name=name)(private)
+    return _PRIVATE_CLASSES[cls]
