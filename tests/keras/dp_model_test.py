@@ -770,8 +770,8 @@ def test_a_refused_step_does_not_advance_the_step_counter(k):
 
 
 
-class _UnbuiltMLP(DPModel):
-    """A DPModel subclass whose layers are built by the first call (issue 11, bug 1)."""
+class _MLP:
+    """A two-layer MLP body for a model class, its layers built by the first call."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -782,14 +782,12 @@ class _UnbuiltMLP(DPModel):
         return self.out(self.hidden(x))
 
 
-class _PlainMLP(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="relu")
-        self.out = keras.layers.Dense(3)
+class _UnbuiltMLP(_MLP, DPModel):
+    """A DPModel subclass (issue 11, bug 1)."""
 
-    def call(self, x):
-        return self.out(self.hidden(x))
+
+class _PlainMLP(_MLP, keras.Model):
+    """A plain subclassed Keras model."""
 
 
 @pytest.mark.parametrize("kind", ["dpmodel_subclass", "private_subclass", "sequential_no_input"])
