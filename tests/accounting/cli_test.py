@@ -34,5 +34,43 @@ def test_cli_says_why_epsilon_is_infinite(capsys):
     assert "epsilon: inf (no ε ≤ 1e+09 can be certified" in capsys.readouterr().out
 
 
+
+def test_cli_without_noise_reports_infinite_epsilon_and_why(capsys):
+    args = "--dataset_size 1000 --batch_size 100 --epochs 1 --noise_multiplier 0 --delta 1e-5"
+    assert cli.main(args.split()) == 0
+    text = capsys.readouterr().out
+    assert "epsilon: inf (" in text and "no noise" in text
+
+
+def test_cli_steps_and_sampling_probability_are_the_same_run(capsys):
+    base = "--noise_multiplier 1.1 --delta 1e-5"
+    assert cli.main(f"--dataset_size 1000 --batch_size 10 --epochs 2 {base}".split()) == 0
+    by_size = capsys.readouterr().out.splitlines()
+    assert cli.main(f"--sampling_probability 0.01 --steps 200 {base}".split()) == 0
+    by_q = capsys.readouterr().out.splitlines()
+    assert [l for l in by_size if l.startswith("epsilon")] == [
+        l for l in by_q if l.startswith("epsilon")]
+
+
+@pytest.mark.parametrize("args", [
+    "--dataset_size 1000 --batch_size 10 --epochs 1 --noise_multiplier 1 --target_epsilon 2",
+    "--dataset_size 1000 --batch_size 10 --epochs 1 --steps 5 --noise_multiplier 1",
+    "--sampling_probability 0.1 --dataset_size 1000 --steps 5 --noise_multiplier 1",
+    "--batch_size 10 --epochs 1 --noise_multiplier 1",
+])
+def test_cli_refuses_contradictory_or_missing_arguments(args):
+    with pytest.raises(SystemExit) as err:
+        cli.main(args.split() + ["--delta", "1e-5"])
+    assert err.value.code != 0
+
+
+def test_cli_creates_the_plot_directory_and_documents_every_flag(tmp_path, capsys):
+    out = tmp_path / "new" / "dir" / "curve.png"
+    args = "--sampling_probability 0.01 --steps 100 --noise_multiplier 1.0 --delta 1e-5"
+    assert cli.main(args.split() + ["--plot", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    for action in cli._parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
