@@ -326,5 +326,39 @@ def test_infinite_clip_is_rejected_or_means_no_clipping():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+
+def test_for_target_epsilon_calibrates_sigma_for_the_run_fit_does():
+    import tf_dp
+    from tf_dp import accounting
+
+    n, batch, epochs, target = 64, 16, 3, 2.0
+    opt = DPAdam.for_target_epsilon(target, 1e-5, epochs=epochs, batch_size=batch,
+                                    dataset_size=n, l2_norm_clip=1.0, learning_rate=1e-2)
+    sigma, q, steps = opt.noise_multiplier, batch / n, epochs * round(n / batch)
+    assert accounting.compute_epsilon(sigma, q, steps, 1e-5) <= target
+    assert accounting.compute_epsilon(sigma * 0.99, q, steps, 1e-5) > target  # the smallest
+    rng = np.random.default_rng(0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)),
+                                                      keras.layers.Dense(1)]))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(rng.normal(size=(n, 4)).astype("float32"),
+              rng.normal(size=(n, 1)).astype("float32"), batch_size=batch, epochs=epochs,
+              verbose=0)
+    assert model.accountant.steps == steps
+    assert 0.95 * target < model.epsilon() <= target
+    # JL: calibrated for the JL mechanism with its r.
+    jl = tf_dp.DPSGDJL.for_target_epsilon(target, 1e-5, epochs=epochs, batch_size=batch,
+                                          dataset_size=n, l2_norm_clip=1.0, num_projections=20)
+    assert jl.num_projections == 20
+    assert accounting.compute_epsilon(jl.noise_multiplier, q, steps, 1e-5,
+                                      num_projections=20) <= target
+    assert jl.noise_multiplier > sigma  # JL costs more than exact clipping at equal sigma
+    with pytest.raises(ValueError, match="`noise_multiplier`"):
+        DPAdam.for_target_epsilon(target, 1e-5, epochs=1, batch_size=8, dataset_size=64,
+                                  l2_norm_clip=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="`epochs`"):
+        DPAdam.for_target_epsilon(target, 1e-5, epochs=0, batch_size=8, dataset_size=64,
+                                  l2_norm_clip=1.0)
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -3,6 +3,7 @@ normalisation by the expected batch size, and the refusal to run outside a priva
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import tensorflow as tf
@@ -96,6 +97,44 @@ class DPOptimizerMixin:
             warnings.warn(f"tf_dp: {type(self).__name__} has `noise_multiplier=0`: its updates "
                           "are not private (epsilon is infinite). Use it only as a non-private "
                           "reference.", UserWarning, stacklevel=3)
+
+    @classmethod
+    def for_target_epsilon(cls, target_epsilon, delta, epochs, batch_size, dataset_size,
+                           l2_norm_clip, **kwargs):
+        """The optimizer whose noise multiplier is the smallest that keeps ``epochs`` of
+        ``fit(x, y, batch_size=batch_size)`` on ``dataset_size`` examples within
+        (``target_epsilon``, ``delta``) (Opacus' ``make_private_with_epsilon``).
+
+        The run is the one ``fit`` does on arrays: Poisson sampling at q = batch_size * k / N
+        (k = ``gradient_accumulation_steps``) and ``max(1, round(1 / q))`` logical steps per
+        epoch; JL strategies are calibrated for the JL mechanism. Pair it with
+        ``make_private(model, target_epsilon=...)`` so that a longer run still stops there.
+
+        ``kwargs`` are the optimizer's other arguments (learning rate, norm_strategy, ...).
+        """
+        from tf_dp import accounting
+
+        target_epsilon = _validation.positive_epsilon(target_epsilon)
+        delta = _validation.delta(delta)
+        n = _validation.positive_int(dataset_size, "dataset_size")
+        b = _validation.positive_int(batch_size, "batch_size")
+        k = _validation.positive_int(kwargs.get("gradient_accumulation_steps") or 1,
+                                     "gradient_accumulation_steps")
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
+            raise ValueError(f"`epochs` must be a number > 0, got {epochs!r}.")
+        if "noise_multiplier" in kwargs:
+            raise ValueError("`noise_multiplier` is what for_target_epsilon computes; give "
+                             "`target_epsilon` or use the constructor.")
+        q = min(1.0, b * k / n)
+        steps = int(math.ceil(epochs * max(1, round(1.0 / q))))
+        if issubclass(cls, JLAlias):
+            strategy = norm_strategies.JL(kwargs.get("num_projections", 5))
+        else:
+            strategy = norm_strategies.get(kwargs.get("norm_strategy", "auto"),
+                                           kwargs.get("num_projections"))
+        sigma = accounting.calibrate_noise_multiplier(target_epsilon, delta, q, steps,
+                                                      strategy.num_projections)
+        return cls(l2_norm_clip, sigma, **kwargs)
 
     # -- read-only DP parameters ---------------------------------------------------------
 
