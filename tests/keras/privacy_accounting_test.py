@@ -103,5 +103,41 @@ def test_make_private_rejects_bad_budget_arguments():
         _model(target_epsilon=-1.0)
 
 
+
+def test_privacy_report_and_statement_say_what_epsilon_covers():
+    from tf_dp import accounting as _accounting
+
+    x = np.zeros((64, 4), "float32")
+    y = np.zeros((64, 1), "float32")
+
+    def run(optimizer, **fit_kwargs):
+        model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)),
+                                                           keras.layers.Dense(1)]))
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, **fit_kwargs)
+        return model
+
+    model = run(tf_dp.DPAdam(1.0, 1.1))
+    report = model.privacy_report()
+    want = _accounting.compute_rdp_epsilon(1.1, 0.25, 4, 1e-5)
+    assert report["rdp_epsilon"] == pytest.approx(want, rel=1e-9)
+    assert report["rdp_epsilon"] >= report["epsilon"]  # RDP is the looser bound
+    assert report["sampling"].startswith("Poisson sampling")
+    assert "one training example" in report["unit_of_privacy"] and report["not_covered"]
+    text = model.privacy_statement()
+    assert f"epsilon = {report['epsilon']:.4g} at delta = 1e-05" in text
+    assert "4 steps at noise_multiplier 1.1, sampling_probability 0.25" in text
+    assert "the guarantee holds" in text
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fixed = run(tf_dp.DPAdam(1.0, 1.1), poisson_sampling=False)
+    assert "fixed (shuffled) batches" in fixed.privacy_report()["sampling"]
+    assert "DOES NOT HOLD" in fixed.privacy_statement()
+    jl = run(tf_dp.DPAdamJL(1.0, 1.1, num_projections=3))
+    assert jl.privacy_report()["rdp_epsilon"] == float("inf")
+    assert "JL norms r = 3" in jl.privacy_statement()
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

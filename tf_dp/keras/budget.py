@@ -18,6 +18,23 @@ from tf_dp.keras.privacy_callback import max_additional_steps
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
 
 
+#: what epsilon never covers (docs/privacy.md).
+NOT_COVERED = (
+    "hyper-parameter search and any earlier runs on the same data",
+    "data used outside training (preprocessing statistics, validation, metrics logged)",
+    "side channels (timing, memory) and the model's architecture choice",
+)
+
+
+def _sampling_assumption(caveats):
+    if any(c.startswith("FIXED_BATCHES") for c in caveats):
+        return ("fixed (shuffled) batches, accounted as if Poisson-sampled: outside the proven "
+                "guarantee")
+    if any(c.startswith("DECLARED_SAMPLING") for c in caveats):
+        return "Poisson sampling declared by the user (sampling_probability=), not checked"
+    return "Poisson sampling (each example independently with probability q)"
+
+
 class PrivacyBudget:
     """The spent budget of one model (see the module docstring)."""
 
@@ -77,7 +94,48 @@ class PrivacyBudget:
                   "guarantee_holds": not any(c.startswith(VOIDING) for c in caveats)}
         if self.exact_clipping_accountant.steps:
             report["epsilon_exact_clipping"] = self.epsilon(exact_clipping=True)
+        report["rdp_epsilon"] = self._rdp_epsilon()
+        report["unit_of_privacy"] = ("one training example (add/remove adjacency): each "
+                                     "example's gradient clipped to l2_norm_clip per step")
+        report["sampling"] = _sampling_assumption(caveats)
+        report["not_covered"] = list(NOT_COVERED)
         return report
+
+    def _rdp_epsilon(self):
+        """RDP's epsilon for comparison (Mironov et al. 2019); inf for JL or noiseless steps."""
+        if not self.accountant.steps or any(p.noise_multiplier == 0
+                                            for p in self.accountant.phases):
+            return float("inf") if self.accountant.steps else 0.0
+        try:
+            return float(self.accountant.rdp_epsilon(self.delta))
+        except (OverflowError, ValueError):
+            return float("inf")
+
+    def statement(self) -> str:
+        """The report as text, in the spirit of TF Privacy's DP-SGD privacy statement."""
+        r = self.report()
+        lines = ["tf_dp privacy statement",
+                 f"  unit of privacy: {r['unit_of_privacy']}",
+                 f"  sampling: {r['sampling']}",
+                 f"  steps: {r['steps']}"]
+        for p in r["phases"]:
+            jl = "" if p.get("num_projections") is None else (
+                f", JL norms r = {p['num_projections']}")
+            lines.append(f"    {p['count']} steps at noise_multiplier {p['noise_multiplier']:g}, "
+                         f"sampling_probability {p['sampling_probability']:g}{jl}")
+        lines.append(f"  epsilon = {r['epsilon']:.4g} at delta = {r['delta']:g} "
+                     "(f-DP numerical accountant, pessimistic)")
+        lines.append(f"  for comparison, RDP epsilon = {r['rdp_epsilon']:.4g}")
+        if "epsilon_exact_clipping" in r:
+            lines.append("  the same steps with exact clipping: epsilon = "
+                         f"{r['epsilon_exact_clipping']:.4g}")
+        verdict = ("holds" if r["guarantee_holds"]
+                   else "DOES NOT HOLD for this run (see the caveats)")
+        lines.append(f"  the guarantee {verdict}")
+        for caveat in r["caveats"]:
+            lines.append(f"  caveat: {caveat}")
+        lines.append("  not covered: " + "; ".join(r["not_covered"]))
+        return "\n".join(lines)
 
     def remaining_steps(self, mechanism):
         """Steps of ``mechanism`` (sigma, q, r) left within the target (None: no target)."""

@@ -116,6 +116,11 @@ class DPTrainMixin:
         """
         return self.privacy_budget.report()
 
+    def privacy_statement(self) -> str:
+        """``privacy_report()`` as readable text (unit of privacy, sampling, steps per
+        mechanism, epsilon and RDP's for comparison, caveats, what is never covered)."""
+        return self.privacy_budget.statement()
+
     def get_config(self):
         config = super().get_config()
         config["tf_dp"] = self.privacy_budget.get_config()
