@@ -967,5 +967,44 @@ def test_a_private_subclassed_model_reloads_in_a_fresh_process(tmp_path):
     assert (name, opt, int(before)) == ("PrivateUserMLP", "DPAdam", steps)
     assert int(after) > steps  # the budget carried over and kept growing
 
+
+class _AtMostRows(keras.layers.Layer):
+    """Identity that fails when more than ``rows`` examples pass through at once."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, x):
+        with tf.control_dependencies([tf.debugging.assert_less_equal(
+                tf.shape(x)[0], self.rows, message="physical batch above the limit")]):
+            return tf.identity(x)
+
+
+def test_max_physical_batch_size_bounds_memory_and_keeps_the_step():
+    import warnings
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, 4)).astype("float32")
+    y = rng.normal(size=(96, 1)).astype("float32")
+    weights, eps = [], []
+    for rows in (None, 5):
+        keras.utils.set_random_seed(7)
+        model = make_private(keras.Sequential([
+            keras.Input((4,)), _AtMostRows(rows or 10**6), keras.layers.Dense(3, "tanh"),
+            keras.layers.Dense(1)]))
+        # Seeded only so that both runs draw the same batches and noise (debugging use).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.compile(optimizer=DPSGD(1.0, 1.0, learning_rate=0.1, seed=3), loss="mse")
+            model.fit(x, y, batch_size=32, epochs=2, verbose=0, max_physical_batch_size=rows)
+        weights.append([w.numpy() for w in model.trainable_variables])
+        eps.append(model.epsilon())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert eps[0] == eps[1]  # one noisy step per logical batch either way
+    with pytest.raises(ValueError, match="`max_physical_batch_size`"):
+        model.fit(x, y, batch_size=32, max_physical_batch_size=0, verbose=0)
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

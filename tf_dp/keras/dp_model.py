@@ -181,7 +181,8 @@ class DPTrainMixin:
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
             steps_per_epoch=None, poisson_sampling: bool = True, dataset_size: int = None,
-            sampling_probability: float = None, **kwargs):
+            sampling_probability: float = None, max_physical_batch_size: int = None,
+            **kwargs):
         """Keras ``fit`` with Poisson sampling for array inputs (see the class docstring).
 
         Extra arguments:
@@ -194,8 +195,19 @@ class DPTrainMixin:
           sampling_probability: with ``dataset_size``, declares that the dataset's batches
             are Poisson samples at this rate (the expected batch is then q * N). tf_dp cannot
             check this; the privacy report says so.
+          max_physical_batch_size: at most this many examples go through the model at once
+            (Opacus' BatchMemoryManager): each logical batch, whatever its realised Poisson
+            size, is split into as many micro-batches as needed; noise is still added once
+            per logical step. None (default): ``gradient_accumulation_steps`` parts.
         """
         from tf_dp.data.poisson import PoissonSampler, sampler_of
+
+        if max_physical_batch_size is not None:
+            max_physical_batch_size = _validation.positive_int(max_physical_batch_size,
+                                                               "max_physical_batch_size")
+        if getattr(self, "_dp_max_rows", None) != max_physical_batch_size:
+            self.train_function = None  # baked into the traced step: retrace on change
+        self._dp_max_rows = max_physical_batch_size
 
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
@@ -354,10 +366,11 @@ class DPTrainMixin:
         k = opt.accumulation_steps
         # One secret draw of JL directions per logical step, shared by its micro-batches.
         jl_seed = opt.next_jl_seed() if opt.num_projections is not None else None
-        if k == 1:
+        max_rows = getattr(self, "_dp_max_rows", None)
+        if k == 1 and max_rows is None:
             grads = self._dp_micro_step(x, y, sample_weight, variables, jl_seed)
         else:
-            grads = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed)
+            grads = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed, max_rows)
         _refuse_data_dependent_losses(self)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             # An eager custom loop: the same check fit() runs (cached after its first run).
@@ -379,11 +392,18 @@ class DPTrainMixin:
         self._dp_update_metrics(x, y, result, sample_weight)
         return result.grads
 
-    def _dp_accumulate(self, x, y, sample_weight, variables, k, jl_seed=None):
+    def _dp_accumulate(self, x, y, sample_weight, variables, k, jl_seed=None, max_rows=None):
+        """Clipped sums of the logical batch in parts: k equal parts, or with ``max_rows``
+        as many parts of at most ``max_rows`` examples as the realised batch needs."""
         n = tf.shape(tf.nest.flatten(x)[0])[0]
+        if max_rows is not None:
+            k = tf.maximum(1, (n + max_rows - 1) // max_rows)
 
         def part(structure, j):
-            lo, hi = (j * n) // k, ((j + 1) * n) // k
+            if max_rows is None:
+                lo, hi = (j * n) // k, ((j + 1) * n) // k
+            else:
+                lo, hi = j * max_rows, tf.minimum((j + 1) * max_rows, n)
             return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], structure)
 
         def body(j, *acc):
