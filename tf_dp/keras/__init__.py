@@ -1,8 +1,9 @@
-"""Private Keras models: ``make_private(model)``, ``DPSequential``, ``DPModel``, and
-``load_model`` for saved private models."""
+"""Private Keras models: ``make_private(model)``, ``DPSequential``, ``DPModel``,
+``load_model`` for saved private models and ``validate(model, fix=...)``."""
 
 from tf_dp.keras.dp_model import (DPModel, DPSequential, DPTrainMixin, make_private,
                                   private_subclass)
+from tf_dp.keras.validate import Finding, validate
 
 
 def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
@@ -56,4 +57,5 @@ def _private_bases(filepath):
     return found
 
 
-__all__ = ["DPModel", "DPSequential", "DPTrainMixin", "load_model", "make_private"]
+__all__ = ["DPModel", "DPSequential", "DPTrainMixin", "Finding", "load_model", "make_private",
+           "validate"]
