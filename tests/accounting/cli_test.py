@@ -72,5 +72,29 @@ def test_cli_creates_the_plot_directory_and_documents_every_flag(tmp_path, capsy
     for action in cli._parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
 
+
+def test_epsilon_over_steps_and_the_dp_region_of_the_plots(tmp_path):
+    import numpy as np
+
+    from tf_dp import accounting
+
+    acc = accounting.PrivacyAccountant().step(1.1, 0.01, count=300).step(2.0, 0.02, count=200)
+    steps, eps = accounting.epsilon_over_steps(acc, 1e-5, num=10)
+    assert steps[-1] == 500 and len(steps) == 10
+    assert np.all(np.diff(eps) > 0) and eps[-1] == pytest.approx(acc.epsilon(1e-5))
+    # Each prefix is the accountant of those steps only (the first 100 are all at sigma 1.1).
+    assert eps[1] == pytest.approx(accounting.compute_epsilon(1.1, 0.01, 100, 1e-5))
+    # A mechanism satisfying (eps, delta)-DP lies on or above the (eps, delta) curve.
+    alphas = np.concatenate([[0.0], np.geomspace(1e-6, 1.0, 200)])
+    mu = 1.0
+    eps_mu = accounting.gdp_epsilon(mu, 1e-5)
+    assert np.all(accounting.gaussian_tradeoff(mu, alphas)
+                  >= accounting.dp_tradeoff(eps_mu, 1e-5, alphas) - 1e-9)
+    assert not np.all(accounting.gaussian_tradeoff(mu, alphas)
+                      >= accounting.dp_tradeoff(0.5 * eps_mu, 1e-5, alphas) - 1e-9)
+    out = tmp_path / "eps.png"
+    accounting.plot_epsilon(str(out), steps, eps, 1e-5, title="a run")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -16,7 +16,8 @@ from tf_dp.accounting.functions import (
     gdp_delta,
     gdp_epsilon,
 )
-from tf_dp.accounting.tradeoff import gaussian_tradeoff, plot_tradeoff
+from tf_dp.accounting.tradeoff import (dp_tradeoff, epsilon_over_steps, gaussian_tradeoff,
+                                      plot_epsilon, plot_tradeoff)
 
 __all__ = [
     "AccuracyError",
@@ -30,8 +31,11 @@ __all__ = [
     "compute_gdp_mu",
     "compute_max_steps",
     "compute_rdp_epsilon",
+    "dp_tradeoff",
+    "epsilon_over_steps",
     "gaussian_tradeoff",
     "gdp_delta",
     "gdp_epsilon",
+    "plot_epsilon",
     "plot_tradeoff",
 ]

@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif args.plot:
         directory = os.path.dirname(os.path.abspath(args.plot))
         os.makedirs(directory, exist_ok=True)
-        alphas = np.linspace(0.0, 1.0, 201)
+        alphas = np.concatenate([[0.0], np.geomspace(1e-6, 1.0, 240)])
         curves = [(f"{mech}, σ={sigma:.3g}", acc.tradeoff_curve(alphas))]
         if r is not None:
             gauss = accounting.PrivacyAccountant().step(sigma, q, None, count=steps)
@@ -135,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             alphas,
             curves,
             title=f"q={q:.4g}, steps={steps}, ε={eps:.4g} at δ={args.delta:g}",
+            epsilon_delta=(eps, args.delta) if math.isfinite(eps) else None,
         )
         print(f"trade-off curve written to {args.plot}")
     return 0
