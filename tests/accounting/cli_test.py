@@ -13,6 +13,8 @@ def test_cli_prints_epsilon_and_writes_plot(tmp_path, capsys):
     assert cli.main(args.split() + ["--plot", str(out)]) == 0
     text = capsys.readouterr().out
     assert "epsilon: 2.3" in text and "RDP epsilon" in text
+    assert "unit of privacy: one training example" in text and "Poisson sample" in text
+    assert "not covered:" in text
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -79,6 +79,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     r = args.num_projections
     mech = "DP-SGD (exact clipping)" if r is None else f"JL-DP-SGD (r={r} projections)"
     print(f"mechanism: {mech}, Poisson sampling q={q:.6g}, steps={steps}, delta={args.delta:g}")
+    print("unit of privacy: one training example (add/remove); assumes each batch is a Poisson "
+          "sample at q (fixed or shuffled batches are outside this guarantee) and noise no one "
+          "can regenerate (no seed)")
+    print("not covered: hyper-parameter search and earlier runs on the same data; data used "
+          "outside training; side channels")
     try:
         if args.target_epsilon is not None:
             sigma = accounting.calibrate_noise_multiplier(
