@@ -241,5 +241,35 @@ def test_other_bad_arguments():
         PoissonSampler(x, y[:5], sampling_probability=0.2)
 
 
+
+def test_augmentation_after_sampling_keeps_q_and_the_accounting():
+    # The README's augmentation pattern: a per-example map after the sampler. fit() takes q
+    # from the sampler through the map (no dataset_size needed) and accounts it.
+    import keras
+
+    import tf_dp
+    from tf_dp import accounting
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6, 6, 1)).astype("float32")
+    y = rng.integers(0, 2, size=64)
+    sampler = PoissonSampler(x, y, expected_batch_size=16)
+
+    def augment(images, labels):
+        flipped = tf.map_fn(tf.image.random_flip_left_right, images)  # one example at a time
+        return flipped, labels
+
+    data = sampler.dataset().map(augment, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+    model = tf_dp.keras.make_private(keras.Sequential([
+        keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3), keras.layers.Flatten(),
+        keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(data, epochs=1, verbose=0)
+    steps = sampler.steps_per_epoch
+    assert model.accountant.steps == steps
+    assert model.epsilon() == pytest.approx(accounting.compute_epsilon(1.0, 0.25, steps, 1e-5))
+    assert model.privacy_report()["guarantee_holds"]
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
