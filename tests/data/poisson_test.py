@@ -271,5 +271,22 @@ def test_augmentation_after_sampling_keeps_q_and_the_accounting():
     assert model.epsilon() == pytest.approx(accounting.compute_epsilon(1.0, 0.25, steps, 1e-5))
     assert model.privacy_report()["guarantee_holds"]
 
+
+@pytest.mark.parametrize("n, q", [(60000, 256 / 60000), (100, 0.5), (10, 1.0), (1000, 0.001)])
+def test_auto_padding_is_exceeded_with_probability_below_1e9(n, q):
+    from scipy import stats
+
+    from tf_dp.data.poisson import safe_pad_to
+
+    b = safe_pad_to(n, q)
+    assert stats.binom.sf(b, n, q) < 1e-9 and b <= n
+    if b > 1:
+        assert stats.binom.sf(b - 1, n, q) >= 1e-9 or b - 1 < q * n  # the smallest such b
+    sampler = PoissonSampler(np.zeros((n, 2), "float32"), np.zeros(n), sampling_probability=q,
+                             pad_to="auto")
+    assert sampler.pad_to == b
+    x, _, _ = next(iter(sampler.dataset(num_steps=1)))
+    assert x.shape[0] == b  # static padded size
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -39,7 +39,8 @@ class PoissonSampler:
       sampling_probability: q in (0, 1].
       steps_per_epoch: logical steps per epoch; default round(1/q).
       pad_to: optional static (logical) batch size: batches are padded to it with weight-0
-        rows; a sample larger than it raises an error.
+        rows; a sample larger than it raises an error. "auto": the smallest size a batch
+        exceeds with probability below 1e-9 (``safe_pad_to``).
       seed: debugging only. None (default): which examples are sampled is drawn from fresh
         OS entropy, never saved or replayed. An int makes the samples a public function of
         the seed, which voids the amplification by sampling the accountant counts (a warning
@@ -70,7 +71,9 @@ class PoissonSampler:
                                  f"{expected_batch_size}.")
             sampling_probability = expected_batch_size / n
         sampling_probability = _validation.sampling_probability(sampling_probability)
-        if pad_to is not None:
+        if pad_to == "auto":
+            pad_to = safe_pad_to(n, sampling_probability)
+        elif pad_to is not None:
             pad_to = _validation.positive_int(pad_to, "pad_to")
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.dataset_size = n
@@ -164,6 +167,22 @@ def _gather(data, part, pad_to):
     xb = tf.nest.map_structure(pad, xb)
     yb = tf.nest.map_structure(lambda a: None if a is None else pad(a), yb)
     return xb, yb, pad(weight)
+
+
+#: "auto" padding: the probability that a Poisson batch exceeds it, per batch.
+_PAD_TAIL = 1e-9
+
+
+def safe_pad_to(dataset_size: int, sampling_probability: float, tail: float = _PAD_TAIL) -> int:
+    """The smallest b with P(Binomial(N, q) > b) < ``tail``: a static batch size that a
+    Poisson batch exceeds (and then stops training with an error) with probability below
+    ``tail`` per batch. Depends on N and q only, never on the data."""
+    from scipy import stats
+
+    b = int(stats.binom.isf(tail, int(dataset_size), float(sampling_probability)))
+    while stats.binom.sf(b, int(dataset_size), float(sampling_probability)) >= tail:
+        b += 1
+    return max(1, min(b, int(dataset_size)))
 
 
 def expected_steps(dataset_size: int, expected_batch_size: float, epochs: float) -> int:
