@@ -132,8 +132,9 @@ class DPOptimizerMixin:
         else:
             strategy = norm_strategies.get(kwargs.get("norm_strategy", "auto"),
                                            kwargs.get("num_projections"))
-        sigma = accounting.calibrate_noise_multiplier(target_epsilon, delta, q, steps,
-                                                      strategy.num_projections)
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon=target_epsilon, delta=delta, sampling_probability=q, steps=steps,
+            num_projections=strategy.num_projections)
         return cls(l2_norm_clip, sigma, **kwargs)
 
     # -- read-only DP parameters ---------------------------------------------------------
