@@ -7,9 +7,11 @@ Each check raises ``ValueError`` naming the argument in backticks and the value 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 
 def noise_multiplier(value: float, name: str = "noise_multiplier") -> float:
@@ -127,3 +129,39 @@ def one_of(value, name: str, choices) -> object:
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {tuple(choices)}, got {value!r}.")
     return value
+
+
+def keyword_only(namespace: str) -> Callable:
+    """Decorator for a function (or method) whose parameters after ``self`` are keyword-only.
+
+    Several privacy quantities are floats of similar size (σ, q, δ, ε): passed by position in
+    the wrong order they give a wrong ε without any error. The decorated function refuses a
+    positional call with a ``TypeError`` that names it (``namespace.qualname``) and shows the
+    keyword call, instead of Python's bare "takes 0 positional arguments".
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters.values()
+        n_positional = sum(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+        )  # `self` for a method, else 0
+        shown = ", ".join(
+            f"{p.name}=..." if p.default is p.empty else f"{p.name}={p.default!r}"
+            for p in params
+            if p.kind == p.KEYWORD_ONLY
+        )
+        message = (
+            f"{namespace}.{fn.__qualname__} takes keyword arguments only (numbers passed in the "
+            f"wrong order would silently give a wrong privacy guarantee): "
+            f"{fn.__name__}({shown})"
+        )
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if len(args) > n_positional:
+                raise TypeError(message)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

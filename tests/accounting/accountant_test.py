@@ -12,6 +12,7 @@ from tf_dp import accounting
 from tf_dp.accounting import composition, pld
 
 Q, SIGMA, STEPS, DELTA = 256 / 60000, 1.1, 14062, 1e-5
+RUN = dict(noise_multiplier=SIGMA, sampling_probability=Q, steps=STEPS)  # issue 3's setting
 
 
 def test_import_does_not_load_tensorflow():
@@ -28,7 +29,7 @@ def test_gaussian_matches_dp_accounting_fine_pld():
         .self_compose(STEPS)
         .get_epsilon_for_delta(DELTA)
     )
-    ours = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    ours = accounting.compute_epsilon(**RUN, delta=DELTA)
     assert ours >= ref - 1e-3  # pessimistic
     assert ours == pytest.approx(ref, rel=1e-2)
 
@@ -44,25 +45,25 @@ def test_gaussian_inside_prv_bounds():
         delta_error=1e-10,
     )
     low, _, up = prv.compute_epsilon(delta=DELTA, num_self_compositions=STEPS)
-    ours = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    ours = accounting.compute_epsilon(**RUN, delta=DELTA)
     assert low <= ours <= up
 
 
 def test_delta_and_epsilon_are_consistent():
-    eps = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
-    d = accounting.compute_delta(SIGMA, Q, STEPS, eps)
+    eps = accounting.compute_epsilon(**RUN, delta=DELTA)
+    d = accounting.compute_delta(**RUN, epsilon=eps)
     assert d <= DELTA * 1.02
-    assert accounting.compute_delta(SIGMA, Q, STEPS, eps - 0.05) > DELTA
+    assert accounting.compute_delta(**RUN, epsilon=eps - 0.05) > DELTA
 
 
 def test_rdp_and_gdp_comparisons():
-    eps = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
-    assert accounting.compute_rdp_epsilon(SIGMA, Q, STEPS, DELTA) > eps  # RDP is looser
-    mu = accounting.compute_gdp_mu(SIGMA, Q, STEPS)
+    eps = accounting.compute_epsilon(**RUN, delta=DELTA)
+    assert accounting.compute_rdp_epsilon(**RUN, delta=DELTA) > eps  # RDP is looser
+    mu = accounting.compute_gdp_mu(**RUN)
     assert mu == pytest.approx(Q * math.sqrt(STEPS * math.expm1(SIGMA**-2)))
-    assert accounting.compute_rdp_epsilon(SIGMA, Q, STEPS, DELTA, num_projections=5) == math.inf
+    assert accounting.compute_rdp_epsilon(**RUN, delta=DELTA, num_projections=5) == math.inf
     with pytest.raises(accounting.GDPNotApplicableError, match="JL mechanism"):
-        accounting.compute_gdp_mu(SIGMA, Q, STEPS, num_projections=5)
+        accounting.compute_gdp_mu(**RUN, num_projections=5)
 
 
 @pytest.mark.parametrize(
@@ -98,9 +99,11 @@ def test_heterogeneous_equal_phases_equal_single_phase():
 
 def test_heterogeneous_schedule_between_its_phases():
     acc = accounting.PrivacyAccountant()
-    acc.step(1.0, 0.01, count=150).step(1.0, 0.02, count=150)
-    low = accounting.compute_epsilon(1.0, 0.01, 300, DELTA)
-    high = accounting.compute_epsilon(1.0, 0.02, 300, DELTA)
+    acc.step(noise_multiplier=1.0, sampling_probability=0.01, count=150)
+    acc.step(noise_multiplier=1.0, sampling_probability=0.02, count=150)
+    run = dict(noise_multiplier=1.0, steps=300, delta=DELTA)
+    low = accounting.compute_epsilon(sampling_probability=0.01, **run)
+    high = accounting.compute_epsilon(sampling_probability=0.02, **run)
     assert low < acc.epsilon(DELTA) < high
 
 
@@ -154,7 +157,9 @@ def test_jl_delta_brackets_monte_carlo(r):
         mu = np.sqrt(r / rng.chisquare(r, samples)) / sigma
         y = rng.standard_normal(samples) + (rng.random(samples) < q) * mu
         total += np.logaddexp(math.log1p(-q), math.log(q) + mu * y - 0.5 * mu * mu)
-    acc = accounting.PrivacyAccountant().step(sigma, q, num_projections=r, count=steps)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=sigma, sampling_probability=q, num_projections=r, count=steps
+    )
     for eps in (10.0, 30.0):  # above the add direction's largest loss (-100 log(1 - q) ≈ 5.1)
         hinge = np.maximum(-np.expm1(eps - total), 0.0)
         mc, se = hinge.mean(), hinge.std() / math.sqrt(samples)
@@ -164,17 +169,24 @@ def test_jl_delta_brackets_monte_carlo(r):
 
 def test_jl_one_projection_has_no_finite_epsilon():
     with pytest.warns(RuntimeWarning, match=r"no ε ≤ 1e\+09 can be certified"):
-        eps = accounting.compute_epsilon(1.0, 0.01, 1000, DELTA, num_projections=1)
+        eps = accounting.compute_epsilon(
+            noise_multiplier=1.0, sampling_probability=0.01, steps=1000, delta=DELTA,
+            num_projections=1,
+        )
     assert eps == math.inf
-    bounds = accounting.PrivacyAccountant().step(1.0, 0.01, 1, count=1000).epsilon_bounds(DELTA)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=1.0, sampling_probability=0.01, num_projections=1, count=1000
+    )
+    bounds = acc.epsilon_bounds(DELTA)
     assert bounds.upper == math.inf and bounds.lower > 1e8  # the true ε is beyond 1e9
     assert "counted as unbounded" in bounds.reason
 
 
 def test_zero_noise_is_infinite():
+    noiseless = dict(noise_multiplier=0.0, sampling_probability=0.01, steps=10)
     with pytest.warns(RuntimeWarning, match="no noise"):
-        assert accounting.compute_epsilon(0.0, 0.01, 10, DELTA) == math.inf
-    assert accounting.compute_delta(0.0, 0.01, 10, 5.0) == 1.0
+        assert accounting.compute_epsilon(**noiseless, delta=DELTA) == math.inf
+    assert accounting.compute_delta(**noiseless, epsilon=5.0) == 1.0
 
 
 @pytest.mark.parametrize("discretization", [1e-3, 1e-4])
@@ -206,12 +218,13 @@ def test_engine_reproduces_dp_accounting_connect_the_dots(discretization):
 
 def test_default_gaussian_query_is_close_to_fine_reference():
     # The fine reference is our certified bracket at Δ = 1e-5 ([2.3815957, 2.3815988]).
-    eps = accounting.compute_epsilon(SIGMA, Q, STEPS, DELTA)
+    eps = accounting.compute_epsilon(**RUN, delta=DELTA)
     assert 2.3815957 <= eps <= 2.3815988 + 2e-4
 
 
 def test_zero_steps_is_zero():
-    assert accounting.compute_epsilon(1.0, 0.01, 0, DELTA) == 0.0
+    no_steps = dict(noise_multiplier=1.0, sampling_probability=0.01, steps=0)
+    assert accounting.compute_epsilon(**no_steps, delta=DELTA) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -237,14 +250,19 @@ def test_bad_input_names_the_argument(kwargs, name):
 
 def test_bad_epsilon_names_the_argument():
     with pytest.raises(ValueError, match="`epsilon`"):
-        accounting.compute_delta(1.0, 0.01, 10, -1.0)
+        accounting.compute_delta(
+            noise_multiplier=1.0, sampling_probability=0.01, steps=10, epsilon=-1.0
+        )
     with pytest.raises(ValueError, match="`count`"):
-        accounting.PrivacyAccountant().step(1.0, 0.01, count=0)
+        accounting.PrivacyAccountant().step(
+            noise_multiplier=1.0, sampling_probability=0.01, count=0
+        )
 
 
 def test_config_round_trip_keeps_spent_budget():
     acc = accounting.PrivacyAccountant()
-    acc.step(1.0, 0.01, count=100).step(1.2, 0.02, num_projections=50, count=30)
+    acc.step(noise_multiplier=1.0, sampling_probability=0.01, count=100)
+    acc.step(noise_multiplier=1.2, sampling_probability=0.02, num_projections=50, count=30)
     config = json.loads(json.dumps(acc.get_config()))
     restored = accounting.PrivacyAccountant.from_config(config)
     assert restored.phases == acc.phases
@@ -252,7 +270,9 @@ def test_config_round_trip_keeps_spent_budget():
 
 
 def test_tradeoff_curve_is_valid_and_below_identity():
-    acc = accounting.PrivacyAccountant().step(1.0, 0.05, count=100)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=1.0, sampling_probability=0.05, count=100
+    )
     alphas = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0]
     betas = acc.tradeoff_curve(alphas)
     assert all(0.0 <= b <= 1.0 - a + 1e-12 for a, b in zip(alphas, betas))
@@ -260,15 +280,17 @@ def test_tradeoff_curve_is_valid_and_below_identity():
 
 
 def test_calibrate_noise_multiplier_reaches_target():
-    sigma = accounting.calibrate_noise_multiplier(2.0, DELTA, 0.01, 500)
-    assert accounting.compute_epsilon(sigma, 0.01, 500, DELTA) <= 2.0
-    assert accounting.compute_epsilon(sigma * 0.98, 0.01, 500, DELTA) > 2.0
+    run = dict(sampling_probability=0.01, steps=500, delta=DELTA)
+    sigma = accounting.calibrate_noise_multiplier(target_epsilon=2.0, **run)
+    assert accounting.compute_epsilon(noise_multiplier=sigma, **run) <= 2.0
+    assert accounting.compute_epsilon(noise_multiplier=sigma * 0.98, **run) > 2.0
 
 
 def test_compute_max_steps_is_largest_within_budget():
-    n = accounting.compute_max_steps(1.0, 0.01, 1.0, DELTA)
-    assert accounting.compute_epsilon(1.0, 0.01, n, DELTA) <= 1.0
-    assert accounting.compute_epsilon(1.0, 0.01, n + 1, DELTA) > 1.0
+    mechanism = dict(noise_multiplier=1.0, sampling_probability=0.01, delta=DELTA)
+    n = accounting.compute_max_steps(**mechanism, target_epsilon=1.0)
+    assert accounting.compute_epsilon(**mechanism, steps=n) <= 1.0
+    assert accounting.compute_epsilon(**mechanism, steps=n + 1) > 1.0
 
 
 if __name__ == "__main__":

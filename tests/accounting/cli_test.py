@@ -80,16 +80,19 @@ def test_epsilon_over_steps_and_the_dp_region_of_the_plots(tmp_path):
 
     from tf_dp import accounting
 
-    acc = accounting.PrivacyAccountant().step(1.1, 0.01, count=300).step(2.0, 0.02, count=200)
+    acc = accounting.PrivacyAccountant()
+    acc.step(noise_multiplier=1.1, sampling_probability=0.01, count=300)
+    acc.step(noise_multiplier=2.0, sampling_probability=0.02, count=200)
     steps, eps = accounting.epsilon_over_steps(acc, 1e-5, num=10)
     assert steps[-1] == 500 and len(steps) == 10
     assert np.all(np.diff(eps) > 0) and eps[-1] == pytest.approx(acc.epsilon(1e-5))
     # Each prefix is the accountant of those steps only (the first 100 are all at sigma 1.1).
-    assert eps[1] == pytest.approx(accounting.compute_epsilon(1.1, 0.01, 100, 1e-5))
+    assert eps[1] == pytest.approx(accounting.compute_epsilon(
+        noise_multiplier=1.1, sampling_probability=0.01, steps=100, delta=1e-5))
     # A mechanism satisfying (eps, delta)-DP lies on or above the (eps, delta) curve.
     alphas = np.concatenate([[0.0], np.geomspace(1e-6, 1.0, 200)])
     mu = 1.0
-    eps_mu = accounting.gdp_epsilon(mu, 1e-5)
+    eps_mu = accounting.gdp_epsilon(mu=mu, delta=1e-5)
     assert np.all(accounting.gaussian_tradeoff(mu, alphas)
                   >= accounting.dp_tradeoff(eps_mu, 1e-5, alphas) - 1e-9)
     assert not np.all(accounting.gaussian_tradeoff(mu, alphas)

@@ -57,7 +57,9 @@ def _prv_bounds(sigma, q, steps):
 
 
 def _check_inside_prv_bracket(sigma, q, steps):
-    acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=sigma, sampling_probability=q, count=steps
+    )
     eps = acc.epsilon(DELTA)
     low, up = _prv_bounds(sigma, q, steps)
     assert low <= eps, f"below PRV's certified lower bound: {eps} < {low}"
@@ -78,7 +80,9 @@ def test_default_epsilon_inside_prv_bracket_long_runs(sigma, q, steps):
 def test_issue_case_is_certified_to_the_absolute_tolerance():
     # Our own certificate, without PRV: the bracket is within 5e-4 and holds the true value
     # (PRV's estimate at eps_error 1e-4: 0.114779).
-    acc = accounting.PrivacyAccountant().step(2.0, 256 / 60000, count=234)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=2.0, sampling_probability=256 / 60000, count=234
+    )
     bounds = acc.epsilon_bounds(DELTA)
     assert bounds.converged
     assert bounds.upper - bounds.lower <= 5e-4  # accountant.EPSILON_ABS_TOLERANCE (was 5e-3)

@@ -87,7 +87,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.target_epsilon is not None:
             sigma = accounting.calibrate_noise_multiplier(
-                args.target_epsilon, args.delta, q, steps, r
+                sampling_probability=q, steps=steps, target_epsilon=args.target_epsilon,
+                delta=args.delta, num_projections=r,
             )
             print(
                 f"calibrated noise_multiplier: {sigma:.6g} (reaches epsilon <= {args.target_epsilon:g})"
@@ -96,7 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.noise_multiplier is None:
                 raise SystemExit("give --noise_multiplier or --target_epsilon")
             sigma = args.noise_multiplier
-        acc = accounting.PrivacyAccountant().step(sigma, q, r, count=steps)
+        acc = accounting.PrivacyAccountant().step(
+            noise_multiplier=sigma, sampling_probability=q, num_projections=r, count=steps
+        )
         b = acc.epsilon_bounds(args.delta)
         eps = b.upper
         if math.isinf(eps):
@@ -116,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             try:
                 mu = acc.gdp_mu()
                 print(f"CLT mu-GDP (comparison): mu={mu:.6g}, "
-                      f"epsilon={accounting.gdp_epsilon(mu, args.delta):.6g}")
+                      f"epsilon={accounting.gdp_epsilon(mu=mu, delta=args.delta):.6g}")
             except (accounting.GDPNotApplicableError, OverflowError) as e:
                 print(f"CLT mu-GDP: not applicable ({e or 'mu too large'})")
     except ValueError as e:
@@ -130,7 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         alphas = np.concatenate([[0.0], np.geomspace(1e-6, 1.0, 240)])
         curves = [(f"{mech}, σ={sigma:.3g}", acc.tradeoff_curve(alphas))]
         if r is not None:
-            gauss = accounting.PrivacyAccountant().step(sigma, q, None, count=steps)
+            gauss = accounting.PrivacyAccountant().step(
+                noise_multiplier=sigma, sampling_probability=q, count=steps
+            )
             curves.append((f"DP-SGD (exact clipping), σ={sigma:.3g}", gauss.tradeoff_curve(alphas)))
         else:
             mu = acc.gdp_mu()

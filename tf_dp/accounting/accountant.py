@@ -90,14 +90,19 @@ class PrivacyAccountant:
 
     # -- recording ---------------------------------------------------------------------------
 
+    @_validation.keyword_only("tf_dp.accounting")
     def step(
         self,
+        *,
         noise_multiplier: float,
         sampling_probability: float,
         num_projections: Optional[int] = None,
         count: int = 1,
     ) -> "PrivacyAccountant":
         """Records `count` steps; consecutive identical steps are merged into one phase.
+
+        Keyword arguments only: σ and q are both floats, and swapped they would record a
+        different mechanism without any error.
 
         Args:
           noise_multiplier: σ ≥ 0 (σ = 0 means no noise and ε = ∞).
@@ -282,7 +287,10 @@ class PrivacyAccountant:
         )
         for p in config.get("phases", []):
             acc.step(
-                p["noise_multiplier"], p["sampling_probability"], p["num_projections"], p["count"]
+                noise_multiplier=p["noise_multiplier"],
+                sampling_probability=p["sampling_probability"],
+                num_projections=p["num_projections"],
+                count=p["count"],
             )
         return acc
 

@@ -1,4 +1,11 @@
-"""Functional API: ε, δ, calibration of σ and of the number of steps, RDP and GDP comparisons."""
+"""Functional API: ε, δ, calibration of σ and of the number of steps, RDP and GDP comparisons.
+
+Every public function takes keyword arguments only, with the same names everywhere:
+`noise_multiplier` (σ), `sampling_probability` (q), `steps`, `epsilon` or `target_epsilon`,
+`delta`, `num_projections` (r). Several of these are floats of similar size, and a positional
+call with two of them swapped would silently report a wrong ε; a positional call raises
+`TypeError` instead.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,8 @@ from scipy import special
 from tf_dp import _validation
 from tf_dp.accounting import composition
 from tf_dp.accounting.accountant import PrivacyAccountant
+
+_keyword_only = _validation.keyword_only("tf_dp.accounting")
 
 _SIGMA_MIN, _SIGMA_MAX = 1e-2, 1e3
 
@@ -23,11 +32,13 @@ def _accountant(
     r = _validation.num_projections(num_projections)
     acc = PrivacyAccountant()
     if n > 0:
-        acc.step(sigma, q, r, count=n)
+        acc.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r, count=n)
     return acc
 
 
+@_keyword_only
 def compute_epsilon(
+    *,
     noise_multiplier: float,
     sampling_probability: float,
     steps: int,
@@ -36,7 +47,12 @@ def compute_epsilon(
 ) -> float:
     """ε of `steps` steps of (JL-)DP-SGD with Poisson sampling, at δ (pessimistic f-DP accounting).
 
-    Args:
+    ```
+    compute_epsilon(noise_multiplier=1.1, sampling_probability=256 / 60000, steps=14062,
+                    delta=1e-5)   # ≈ 2.38
+    ```
+
+    Args (keyword only):
       noise_multiplier: σ ≥ 0; σ = 0 gives ε = ∞.
       sampling_probability: q in (0, 1].
       steps: number of steps ≥ 0.
@@ -51,23 +67,35 @@ def compute_epsilon(
     return acc.epsilon(_validation.delta(delta))
 
 
+@_keyword_only
 def compute_delta(
+    *,
     noise_multiplier: float,
     sampling_probability: float,
     steps: int,
     epsilon: float,
     num_projections: Optional[int] = None,
 ) -> float:
-    """δ at a given ε for `steps` steps of (JL-)DP-SGD (pessimistic f-DP accounting)."""
+    """δ at a given ε for `steps` steps of (JL-)DP-SGD (pessimistic f-DP accounting).
+
+    Args (keyword only):
+      noise_multiplier, sampling_probability, steps, num_projections: as in `compute_epsilon`.
+      epsilon: ε ≥ 0, finite.
+
+    Returns:
+      δ in [0, 1].
+    """
     acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
     return acc.delta(_validation.epsilon(epsilon))
 
 
+@_keyword_only
 def calibrate_noise_multiplier(
-    target_epsilon: float,
-    delta: float,
+    *,
     sampling_probability: float,
     steps: int,
+    target_epsilon: float,
+    delta: float,
     num_projections: Optional[int] = None,
     relative_tolerance: float = 1e-3,
 ) -> float:
@@ -75,6 +103,14 @@ def calibrate_noise_multiplier(
 
     Bisection in log σ (ε decreases in σ); the returned σ is the upper end of the final bracket,
     verified to reach the target.
+
+    Args (keyword only):
+      sampling_probability, steps, delta, num_projections: as in `compute_epsilon`.
+      target_epsilon: the ε to reach, > 0.
+      relative_tolerance: the returned σ is at most (1 + relative_tolerance) times the smallest.
+
+    Returns:
+      σ (0.0 when `steps` is 0).
 
     Raises:
       ValueError: bad arguments, or no σ ≤ 1000 reaches the target.
@@ -112,7 +148,9 @@ def calibrate_noise_multiplier(
     return hi
 
 
+@_keyword_only
 def compute_max_steps(
+    *,
     noise_multiplier: float,
     sampling_probability: float,
     target_epsilon: float,
@@ -122,7 +160,13 @@ def compute_max_steps(
 ) -> int:
     """Largest number of steps whose run satisfies (target_epsilon, δ)-DP (ε increases in steps).
 
-    Returns 0 if even one step exceeds the budget; `max_steps` if that many still fit.
+    Args (keyword only):
+      noise_multiplier, sampling_probability, delta, num_projections: as in `compute_epsilon`.
+      target_epsilon: the ε budget, > 0.
+      max_steps: the search stops there.
+
+    Returns:
+      0 if even one step exceeds the budget; `max_steps` if that many still fit.
     """
     target = _validation.positive_epsilon(target_epsilon)
     delta = _validation.delta(delta)
@@ -175,14 +219,19 @@ def rdp_epsilon_for_phases(phases: Sequence[composition.Phase], delta: float) ->
     return float(acc.get_epsilon(delta))
 
 
+@_keyword_only
 def compute_rdp_epsilon(
+    *,
     noise_multiplier: float,
     sampling_probability: float,
     steps: int,
     delta: float,
     num_projections: Optional[int] = None,
 ) -> float:
-    """RDP-based ε for comparison (∞ for the JL mechanism: its RDP is infinite at every order)."""
+    """RDP-based ε for comparison (∞ for the JL mechanism: its RDP is infinite at every order).
+
+    Keyword arguments only, as in `compute_epsilon`.
+    """
     acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
     return rdp_epsilon_for_phases(acc.phases, delta)
 
@@ -212,19 +261,32 @@ def gdp_mu_for_phases(phases: Sequence[composition.Phase]) -> float:
     return math.sqrt(total)
 
 
+@_keyword_only
 def compute_gdp_mu(
+    *,
     noise_multiplier: float,
     sampling_probability: float,
     steps: int,
     num_projections: Optional[int] = None,
 ) -> float:
-    """CLT μ-GDP parameter of Gaussian DP-SGD; refuses the JL mechanism (see gdp_mu_for_phases)."""
+    """CLT μ-GDP parameter of Gaussian DP-SGD; refuses the JL mechanism (see gdp_mu_for_phases).
+
+    Keyword arguments only, as in `compute_epsilon` (no `delta`: μ describes the whole curve).
+    """
     acc = _accountant(noise_multiplier, sampling_probability, steps, num_projections)
     return gdp_mu_for_phases(acc.phases)
 
 
-def gdp_delta(mu: float, epsilon: float) -> float:
-    """δ(ε) of μ-GDP: Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) (Dong, Roth, Su 2022, Cor. 2.13)."""
+@_keyword_only
+def gdp_delta(*, mu: float, epsilon: float) -> float:
+    """δ(ε) of μ-GDP: Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) (Dong, Roth, Su 2022, Cor. 2.13).
+
+    Keyword arguments only (μ and ε are both floats of similar size).
+    """
+    return _gdp_delta(mu, epsilon)
+
+
+def _gdp_delta(mu: float, epsilon: float) -> float:
     if mu == 0:
         return 0.0
     return float(
@@ -233,15 +295,16 @@ def gdp_delta(mu: float, epsilon: float) -> float:
     )
 
 
-def gdp_epsilon(mu: float, delta: float) -> float:
-    """Smallest ε with gdp_delta(mu, ε) ≤ δ (bisection)."""
+@_keyword_only
+def gdp_epsilon(*, mu: float, delta: float) -> float:
+    """Smallest ε with gdp_delta(mu=mu, epsilon=ε) ≤ δ (bisection). Keyword arguments only."""
     delta = _validation.delta(delta)
-    if gdp_delta(mu, 0.0) <= delta:
+    if _gdp_delta(mu, 0.0) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
-    while gdp_delta(mu, hi) > delta:
+    while _gdp_delta(mu, hi) > delta:
         lo, hi = hi, 2 * hi
     for _ in range(100):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if gdp_delta(mu, mid) > delta else (lo, mid)
+        lo, hi = (mid, hi) if _gdp_delta(mu, mid) > delta else (lo, mid)
     return hi

@@ -124,8 +124,9 @@ def epsilon_over_steps(accountant, delta: float, num: int = 25):
         for p in accountant.phases:
             take = min(p.count, left)
             if take:
-                acc.step(p.noise_multiplier, p.sampling_probability, p.num_projections,
-                         count=take)
+                acc.step(noise_multiplier=p.noise_multiplier,
+                         sampling_probability=p.sampling_probability,
+                         num_projections=p.num_projections, count=take)
             left -= take
         out.append(acc.epsilon(delta))
     return np.array(marks), np.array(out)
