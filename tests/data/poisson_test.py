@@ -268,7 +268,8 @@ def test_augmentation_after_sampling_keeps_q_and_the_accounting():
     model.fit(data, epochs=1, verbose=0)
     steps = sampler.steps_per_epoch
     assert model.accountant.steps == steps
-    assert model.epsilon() == pytest.approx(accounting.compute_epsilon(1.0, 0.25, steps, 1e-5))
+    assert model.epsilon() == pytest.approx(accounting.compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.25, steps=steps, delta=1e-5))
     assert model.privacy_report()["guarantee_holds"]
 
 
