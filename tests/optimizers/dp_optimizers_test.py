@@ -335,8 +335,9 @@ def test_for_target_epsilon_calibrates_sigma_for_the_run_fit_does():
     opt = DPAdam.for_target_epsilon(target, 1e-5, epochs=epochs, batch_size=batch,
                                     dataset_size=n, l2_norm_clip=1.0, learning_rate=1e-2)
     sigma, q, steps = opt.noise_multiplier, batch / n, epochs * round(n / batch)
-    assert accounting.compute_epsilon(sigma, q, steps, 1e-5) <= target
-    assert accounting.compute_epsilon(sigma * 0.99, q, steps, 1e-5) > target  # the smallest
+    run = dict(sampling_probability=q, steps=steps, delta=1e-5)
+    assert accounting.compute_epsilon(noise_multiplier=sigma, **run) <= target
+    assert accounting.compute_epsilon(noise_multiplier=sigma * 0.99, **run) > target  # smallest
     rng = np.random.default_rng(0)
     model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)),
                                                       keras.layers.Dense(1)]))
@@ -350,7 +351,7 @@ def test_for_target_epsilon_calibrates_sigma_for_the_run_fit_does():
     jl = tf_dp.DPSGDJL.for_target_epsilon(target, 1e-5, epochs=epochs, batch_size=batch,
                                           dataset_size=n, l2_norm_clip=1.0, num_projections=20)
     assert jl.num_projections == 20
-    assert accounting.compute_epsilon(jl.noise_multiplier, q, steps, 1e-5,
+    assert accounting.compute_epsilon(noise_multiplier=jl.noise_multiplier, **run,
                                       num_projections=20) <= target
     assert jl.noise_multiplier > sigma  # JL costs more than exact clipping at equal sigma
     with pytest.raises(ValueError, match="`noise_multiplier`"):
