@@ -567,7 +567,8 @@ def test_every_fit_step_is_a_logical_step():
         if mode != "poisson":  # fixed logical batches of 12: micro-batches of B = 4
             assert sizes == [batch] * (8 * k), (mode, sizes)
         # The accountant records 8 steps at the logical rate q = 1/4.
-        np.testing.assert_allclose(model.epsilon(), compute_epsilon(sigma, 0.25, 8, 1e-5),
+        np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+            noise_multiplier=sigma, sampling_probability=0.25, steps=8, delta=1e-5),
                                    rtol=1e-6, err_msg=mode)
 
 

@@ -33,7 +33,8 @@ def test_history_has_epsilon_of_the_steps_taken():
     hist = model.fit(x, y, batch_size=40, epochs=2, verbose=0)
     q, steps_per_epoch = 40 / 400, 10
     assert int(model.optimizer.iterations) == 2 * steps_per_epoch
-    want = [compute_epsilon(1.2, q, steps_per_epoch * (e + 1), 1e-5) for e in range(2)]
+    want = [compute_epsilon(noise_multiplier=1.2, sampling_probability=q,
+                            steps=steps_per_epoch * (e + 1), delta=1e-5) for e in range(2)]
     np.testing.assert_allclose(hist.history["epsilon"], want, rtol=1e-6)
     assert hist.history["epsilon"][0] < hist.history["epsilon"][1]
     np.testing.assert_allclose(model.epsilon(), want[-1], rtol=1e-6)
@@ -46,13 +47,17 @@ def test_accumulation_records_logical_steps_at_the_logical_rate():
                                         gradient_accumulation_steps=2), loss="mse")
     model.fit(x, y, batch_size=20, epochs=1, verbose=0)  # logical batch 40: q = 0.1
     assert int(model.optimizer.iterations) == 10
-    np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.2, 0.1, 10, 1e-5), rtol=1e-6)
+    np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+        noise_multiplier=1.2, sampling_probability=0.1, steps=10, delta=1e-5), rtol=1e-6)
 
 
 def test_target_epsilon_stops_before_the_step_that_would_exceed_it(caplog):
     x, y = _data()
-    target = compute_epsilon(1.0, 0.1, 7, 1e-5) * 1.0001  # 7 steps fit, the 8th would not
-    assert compute_epsilon(1.0, 0.1, 8, 1e-5) > target
+    # 7 steps fit, the 8th would not
+    target = compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=7, delta=1e-5) * 1.0001
+    assert compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=8, delta=1e-5) > target
     model = _model(target_epsilon=target)
     model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0, learning_rate=0.05, seed=0), loss="mse")
     model.fit(x, y, batch_size=40, epochs=5, verbose=2)
@@ -75,7 +80,8 @@ def test_saved_model_carries_the_spent_budget(tmp_path):
     assert loaded.privacy_delta == 1e-6
     np.testing.assert_allclose(loaded.epsilon(), model.epsilon(), rtol=1e-9)
     loaded.fit(x, y, batch_size=40, epochs=1, verbose=0)
-    np.testing.assert_allclose(loaded.epsilon(), compute_epsilon(1.1, 0.1, 20, 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(loaded.epsilon(), compute_epsilon(
+        noise_multiplier=1.1, sampling_probability=0.1, steps=20, delta=1e-6), rtol=1e-6)
 
 
 def test_jl_steps_are_recorded_with_their_projections(caplog):
@@ -84,8 +90,9 @@ def test_jl_steps_are_recorded_with_their_projections(caplog):
     model.compile(optimizer=tf_dp.DPSGDJL(1.0, 1.0, num_projections=20, seed=0), loss="mse")
     hist = model.fit(x, y, batch_size=40, epochs=1, verbose=0)
     jl_eps = model.epsilon()
-    exact = compute_epsilon(1.0, 0.1, 10, 1e-5)
-    np.testing.assert_allclose(jl_eps, compute_epsilon(1.0, 0.1, 10, 1e-5, num_projections=20),
+    exact = compute_epsilon(noise_multiplier=1.0, sampling_probability=0.1, steps=10, delta=1e-5)
+    np.testing.assert_allclose(jl_eps, compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=10, delta=1e-5, num_projections=20),
                                rtol=1e-6)
     assert jl_eps > exact
     # The training output shows the JL epsilon next to what exact clipping would cost.
@@ -119,7 +126,8 @@ def test_privacy_report_and_statement_say_what_epsilon_covers():
 
     model = run(tf_dp.DPAdam(1.0, 1.1))
     report = model.privacy_report()
-    want = _accounting.compute_rdp_epsilon(1.1, 0.25, 4, 1e-5)
+    want = _accounting.compute_rdp_epsilon(
+        noise_multiplier=1.1, sampling_probability=0.25, steps=4, delta=1e-5)
     assert report["rdp_epsilon"] == pytest.approx(want, rel=1e-9)
     assert report["rdp_epsilon"] >= report["epsilon"]  # RDP is the looser bound
     assert report["sampling"].startswith("Poisson sampling")

@@ -50,7 +50,8 @@ def test_train_on_batch_steps_are_accounted_without_amplification():
         model.train_on_batch(x[i % 10 * 20:(i % 10 + 1) * 20], y[i % 10 * 20:(i % 10 + 1) * 20])
     assert model.accountant.steps == 50
     # tf_dp did not sample these batches: q = 1 (no amplification) is the only valid bound.
-    np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.0, 1.0, 50, 1e-5), rtol=1e-6)
+    np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=1.0, steps=50, delta=1e-5), rtol=1e-6)
     # A later fit adds its own steps to them.
     model.fit(x, y, batch_size=20, epochs=1, verbose=0)
     acc = PrivacyAccountant().step(noise_multiplier=1.0, sampling_probability=1.0, count=50)
@@ -65,7 +66,8 @@ def test_a_custom_loop_over_train_step_is_accounted():
     for i in range(7):
         step((x[:16], y[:16]))
     assert model.accountant.steps == 7
-    np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.2, 1.0, 7, 1e-5), rtol=1e-6)
+    np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+        noise_multiplier=1.2, sampling_probability=1.0, steps=7, delta=1e-5), rtol=1e-6)
 
 
 def test_a_custom_loop_over_apply_private_is_in_the_optimizer_ledger():
@@ -87,7 +89,7 @@ def test_restoring_weights_never_lowers_the_spent_budget(tmp_path):
     model.fit(x, y, batch_size=20, epochs=3, verbose=0)  # 60 steps
     late = str(tmp_path / "late.weights.h5")
     model.save_weights(late)
-    sixty = compute_epsilon(1.0, 0.1, 60, 1e-5)
+    sixty = compute_epsilon(noise_multiplier=1.0, sampling_probability=0.1, steps=60, delta=1e-5)
     np.testing.assert_allclose(model.epsilon(), sixty, rtol=1e-6)
     # An older checkpoint into the model that trained further: still 60 (was 30 before).
     model.load_weights(early)
@@ -97,13 +99,15 @@ def test_restoring_weights_never_lowers_the_spent_budget(tmp_path):
     fresh.load_weights(late)
     np.testing.assert_allclose(fresh.epsilon(), sixty, rtol=1e-6)
     fresh.fit(x, y, batch_size=20, epochs=1, verbose=0)
-    np.testing.assert_allclose(fresh.epsilon(), compute_epsilon(1.0, 0.1, 70, 1e-5), rtol=1e-6)
+    np.testing.assert_allclose(fresh.epsilon(), compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=70, delta=1e-5), rtol=1e-6)
     # Weights of another run loaded into a model that trained: both runs are accounted.
     other = _compiled(1.0)
     other.fit(x, y, batch_size=20, epochs=1, verbose=0)  # 10 steps of its own
     with pytest.warns(UserWarning, match="both runs"):
         other.load_weights(late)
-    np.testing.assert_allclose(other.epsilon(), compute_epsilon(1.0, 0.1, 70, 1e-5),
+    np.testing.assert_allclose(other.epsilon(), compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=70, delta=1e-5),
                                rtol=1e-6)
 
 
@@ -126,7 +130,8 @@ def test_backup_and_restore_resumes_with_the_whole_budget(tmp_path):
     second.fit(x, y, batch_size=20, epochs=4, verbose=0,
                callbacks=[keras.callbacks.BackupAndRestore(backup)])
     assert second.accountant.steps == 40
-    np.testing.assert_allclose(second.epsilon(), compute_epsilon(1.0, 0.1, 40, 1e-5),
+    np.testing.assert_allclose(second.epsilon(), compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=40, delta=1e-5),
                                rtol=1e-6)
 
 
@@ -140,7 +145,8 @@ def test_sampler_datasets_carry_their_q_through_map_and_prefetch():
         model = _compiled(1.0)
         model.fit(data, epochs=1, verbose=0, **kwargs)
         steps = kwargs.get("steps_per_epoch", sampler.steps_per_epoch)
-        np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.0, 0.1, steps, 1e-5),
+        np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+            noise_multiplier=1.0, sampling_probability=0.1, steps=steps, delta=1e-5),
                                    rtol=1e-6)
     # A transformation that breaks the samples is refused.
     model = _compiled(1.0)
@@ -160,7 +166,8 @@ def test_other_datasets_need_their_size_and_q_is_never_guessed_from_cardinality(
     # With the size: q = 10 / 200 = 0.05 whatever the repetition (was 0.01 for repeat(5)).
     model.fit(ds.repeat(5), epochs=1, verbose=0, dataset_size=len(x))
     assert model.accountant.steps == 100
-    np.testing.assert_allclose(model.epsilon(), compute_epsilon(1.0, 0.05, 100, 1e-5),
+    np.testing.assert_allclose(model.epsilon(), compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.05, steps=100, delta=1e-5),
                                rtol=1e-6)
     assert any(c.startswith("FIXED_BATCHES") for c in model.privacy_caveats)
 
@@ -168,7 +175,9 @@ def test_other_datasets_need_their_size_and_q_is_never_guessed_from_cardinality(
 @pytest.mark.parametrize("steps_per_execution", [1, 8])
 def test_target_epsilon_is_never_exceeded(steps_per_execution):
     x, y = _data()
-    target = compute_epsilon(1.0, 0.1, 13, 1e-5) * 1.0001  # 13 steps fit, the 14th would not
+    # 13 steps fit, the 14th would not
+    target = compute_epsilon(
+        noise_multiplier=1.0, sampling_probability=0.1, steps=13, delta=1e-5) * 1.0001
     model = _compiled(1.0, target_epsilon=target, steps_per_execution=steps_per_execution)
     history = model.fit(x, y, batch_size=20, epochs=5, verbose=0)
     assert isinstance(history, keras.callbacks.History)
