@@ -123,7 +123,9 @@ def default_table(repeats):
     from tf_dp import accounting
 
     rows = []
-    acc = accounting.PrivacyAccountant().step(SIGMA, Q, count=STEPS)
+    acc = accounting.PrivacyAccountant().step(
+        noise_multiplier=SIGMA, sampling_probability=Q, count=STEPS
+    )
     ours, cpu, wall = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
     rows.append(
         ("ours, default query", ours.upper, f"[{ours.lower:.5f}, {ours.upper:.5f}]", cpu, wall)
@@ -144,7 +146,13 @@ def default_table(repeats):
     rows.append(("RDP (dp-accounting)", acc.rdp_epsilon(DELTA), "upper only", None, None))
     mu = acc.gdp_mu()
     rows.append(
-        ("CLT mu-GDP (approximation)", accounting.gdp_epsilon(mu, DELTA), "not a bound", None, None)
+        (
+            "CLT mu-GDP (approximation)",
+            accounting.gdp_epsilon(mu=mu, delta=DELTA),
+            "not a bound",
+            None,
+            None,
+        )
     )
     print(f"\n== 1. Default query: q={Q:.6g} sigma={SIGMA} steps={STEPS} delta={DELTA:g}")
     print(f"{'method':34s} {'epsilon':>10s} {'bracket':>24s} {'cpu s':>7s} {'wall s':>7s}")
@@ -193,7 +201,9 @@ def jl_table(rs):
     print(f"\n== 3. JL (Bu et al. 2021): q={Q:.6g} sigma={SIGMA} steps={STEPS} delta={DELTA:g}")
     print(f"{'r':>8s} {'epsilon':>12s} {'bracket':>30s} {'cpu s':>7s} {'wall s':>7s}")
     for r in rs:
-        acc = accounting.PrivacyAccountant().step(SIGMA, Q, num_projections=r, count=STEPS)
+        acc = accounting.PrivacyAccountant().step(
+            noise_multiplier=SIGMA, sampling_probability=Q, num_projections=r, count=STEPS
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             b, cpu, wall = _timed(lambda: acc.epsilon_bounds(DELTA))
@@ -221,7 +231,9 @@ def tightness_table(repeats):
         f" | {'PRV lower':>10s} {'PRV upper':>10s} {'slack':>9s} {'inside':>6s}"
     )
     for sigma, q, steps in _tight_regimes():
-        acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
+        acc = accounting.PrivacyAccountant().step(
+            noise_multiplier=sigma, sampling_probability=q, count=steps
+        )
         b, cpu, _ = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
         prv = PRVAccountant(
             prvs=PoissonSubsampledGaussianMechanism(
@@ -249,7 +261,9 @@ def cost_table(repeats):
         f" {'delta':>8s} {'cpu s':>6s}"
     )
     for sigma, q, steps in COST_REGIMES:
-        acc = accounting.PrivacyAccountant().step(sigma, q, count=steps)
+        acc = accounting.PrivacyAccountant().step(
+            noise_multiplier=sigma, sampling_probability=q, count=steps
+        )
         b, cpu, _ = _timed(lambda: acc.epsilon_bounds(DELTA), repeats)
         print(
             f"{sigma:>5g} {q:>9.6g} {steps:>6d} {b.upper:>11.6f}"

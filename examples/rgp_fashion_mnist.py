@@ -223,7 +223,8 @@ def main(argv):
     steps = FLAGS.epochs * max(1, round(1.0 / q))  # PoissonSampler's steps per epoch
     sigma = FLAGS.noise_multiplier
     if FLAGS.target_epsilon is not None:
-        sigma = calibrate_noise_multiplier(FLAGS.target_epsilon, FLAGS.delta, q, steps)
+        sigma = calibrate_noise_multiplier(sampling_probability=q, steps=steps,
+                                           target_epsilon=FLAGS.target_epsilon, delta=FLAGS.delta)
     private = FLAGS.method != "nonprivate"
     model = build_model(x_train.shape[1:])
     swapped = reparam_layers(model)
@@ -253,8 +254,10 @@ def main(argv):
               + (f", LSG sparsity {FLAGS.sparsity}" if FLAGS.method == "lsg" else "")
               + f": noised coordinates {plain - kernels + carriers} instead of {plain}")
     if private:
+        planned = compute_epsilon(noise_multiplier=sigma, sampling_probability=q, steps=steps,
+                                  delta=FLAGS.delta)
         print(f"sigma {sigma:.4f}  C {FLAGS.l2_norm_clip}  q {q:.5f}  steps {steps}  "
-              f"planned epsilon {compute_epsilon(sigma, q, steps, FLAGS.delta):.3f} "
+              f"planned epsilon {planned:.3f} "
               f"at delta {FLAGS.delta:g}")
     print(f"batch {FLAGS.batch_size}  epochs {FLAGS.epochs}  lr {FLAGS.learning_rate}  "
           f"momentum {FLAGS.momentum}  seed {FLAGS.seed}", flush=True)

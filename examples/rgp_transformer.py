@@ -211,7 +211,8 @@ def main(argv):
     private = FLAGS.method != "nonprivate"
     sigma = FLAGS.noise_multiplier
     if private and sigma is None:
-        sigma = calibrate_noise_multiplier(FLAGS.target_epsilon, FLAGS.delta, q, steps)
+        sigma = calibrate_noise_multiplier(sampling_probability=q, steps=steps,
+                                           target_epsilon=FLAGS.target_epsilon, delta=FLAGS.delta)
     if private:
         model = tf_dp.keras.make_private(model, delta=FLAGS.delta)
         optimizer = tf_dp.DPAdam(FLAGS.l2_norm_clip, sigma, learning_rate=FLAGS.learning_rate)
@@ -233,8 +234,10 @@ def main(argv):
         print(f"reparametrized at rank {FLAGS.rank}: {[layer.name for layer in swapped]}; "
               f"their {kernels} kernel weights are noised through {carriers} carrier entries")
     if private:
+        planned = compute_epsilon(noise_multiplier=sigma, sampling_probability=q, steps=steps,
+                                  delta=FLAGS.delta)
         print(f"sigma {sigma:.4f}  C {FLAGS.l2_norm_clip}  q {q:.5f}  steps {steps}  planned "
-              f"epsilon {compute_epsilon(sigma, q, steps, FLAGS.delta):.3f} at delta "
+              f"epsilon {planned:.3f} at delta "
               f"{FLAGS.delta:g}")
     print(f"batch {FLAGS.batch_size}  epochs {FLAGS.epochs}  lr {FLAGS.learning_rate}  "
           f"seed {FLAGS.seed}", flush=True)
