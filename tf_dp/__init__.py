@@ -8,6 +8,8 @@ access, so that ``import tf_dp.accounting`` never needs TensorFlow:
   ``DPAdamWJL``, and ``make_private_optimizer`` for any Keras optimizer;
 * norm strategies: ``Auto``, ``Ghost``, ``Vectorized``, ``JL`` (``NormStrategy`` the base);
 * ``register_ghost_rule`` for custom layers (docs/extending.md);
+* ``AdaptiveClipping`` (the optimizers' ``adaptive_clipping=``; per-layer clipping is their
+  ``per_layer_clipping=``);
 * ``PoissonSampler`` (``tf_dp.data``), ``PrivacyAccountant`` and ``compute_epsilon``
   (``tf_dp.accounting``).
 
@@ -27,7 +29,7 @@ _PUBLIC = {
     "make_private_optimizer": "optimizers",
     "make_private": "keras", "DPModel": "keras", "DPSequential": "keras",
     "NormStrategy": "core", "Auto": "core", "Ghost": "core", "Vectorized": "core", "JL": "core",
-    "register_ghost_rule": "core",
+    "register_ghost_rule": "core", "AdaptiveClipping": "core",
     "PoissonSampler": "data",
     "PrivacyAccountant": "accounting", "compute_epsilon": "accounting",
 }

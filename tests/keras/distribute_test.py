@@ -149,6 +149,36 @@ def test_mirrored_fixed_batches_match_one_device(request, k):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("clipping", ["adaptive", "per_layer"])
+def test_mirrored_adaptive_and_per_layer_clipping_match_one_device(request, clipping):
+    """Adaptive clipping's count is summed over replicas (and noised once) so C moves the
+    same on every replica as on one device; per-layer clipping clips each replica's own
+    examples per layer. sigma = 0: the runs must agree exactly."""
+    if not _in_two_cpu_process(request):
+        return
+    from tf_dp.core.clipping import AdaptiveClipping
+
+    x, y = _data()
+    extra = (dict(adaptive_clipping=AdaptiveClipping(target_quantile=0.4, learning_rate=0.5))
+             if clipping == "adaptive" else dict(per_layer_clipping="dimension"))
+    opt_fn = lambda: DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1,
+                           gradient_accumulation_steps=2, **extra)
+    ds = lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+    def fit(model):
+        model.fit(ds(), epochs=2, verbose=0, dataset_size=len(x))
+
+    single = _train(None, opt_fn, fit)
+    mirrored = _train(_strategy(), opt_fn, fit)
+    for got, want in zip(mirrored.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if clipping == "adaptive":
+        c_single = float(single.optimizer.current_clip())
+        c_mirrored = float(keras.ops.convert_to_numpy(mirrored.optimizer.current_clip()))
+        assert c_single != 0.3  # C moved
+        assert c_mirrored == pytest.approx(c_single, rel=1e-9)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_mirrored_poisson_sampling_matches_one_device(request, k):
     if not _in_two_cpu_process(request):

@@ -18,7 +18,7 @@ import dataclasses
 import tensorflow as tf
 
 from tf_dp import _validation
-from tf_dp.core import ghost, jl, vmap
+from tf_dp.core import clipping, ghost, jl, vmap
 from tf_dp.core.ghost import FactorOptions, MaterialisedFactors
 
 
@@ -55,14 +55,35 @@ class NormStrategy:
 
     def clipped_sum(self, model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                     variables, seed=None, non_finite="error") -> ClippedSum:
-        """Clips every example's gradient of ``variables`` to ``l2_norm_clip`` and sums."""
+        """Clips every example's gradient of ``variables`` to ``l2_norm_clip`` and sums.
+
+        ``l2_norm_clip``: C (a number or a scalar tensor), or a ``tf_dp.core.clipping.ClipSpec``
+        (per-layer clipping: each group's part clipped to its own C_k).
+        """
         batch = _Batch(model, x, y, sample_weight, per_example_loss, list(variables),
                        non_finite)
+        spec = l2_norm_clip if isinstance(l2_norm_clip, clipping.ClipSpec) else None
+        if spec is not None and spec.groups and self.num_projections is not None:
+            raise ValueError("Per-layer clipping needs exact per-example norms of every group; "
+                             f"`norm_strategy` {self!r} estimates only the total norm. Use "
+                             "exact norms or flat clipping.")
         factors, bounds, norms, losses, y_pred = self._factors_and_norms(batch, seed)
-        w = clip_factors(bounds, l2_norm_clip, ghost.accumulation_dtype(losses.dtype),
-                         non_finite)
+        dtype = ghost.accumulation_dtype(losses.dtype)
+        if spec is None or not spec.groups:
+            w = clip_factors(bounds, l2_norm_clip if spec is None else spec.clip, dtype,
+                             non_finite)
+            weights = [w] * len(factors)
+        else:
+            # Per-layer clipping: group k's part of every example is clipped to C_k, so the
+            # whole contribution is within sqrt(sum_k C_k^2) = C.
+            weights = [None] * len(factors)
+            for group, c_k in zip(spec.groups, spec.group_clips()):
+                _, group_bounds = ghost.combined_norms([factors[i] for i in group], losses)
+                w_k = clip_factors(group_bounds, c_k, dtype, non_finite)
+                for i in group:
+                    weights[i] = w_k
         grads = [tf.cast(tf.convert_to_tensor(f.weighted_sum(w)), v.dtype)
-                 for f, v in zip(factors, batch.variables)]
+                 for f, w, v in zip(factors, weights, batch.variables)]
         return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
                           norms=tf.cast(norms, losses.dtype))
 

@@ -83,7 +83,7 @@ class PrivacyBudget:
                           f"reporting its upper bound {err.upper:g} ({err}).", stacklevel=3)
             return float(err.upper)
 
-    def report(self) -> dict:
+    def report(self, clipping: str = None) -> dict:
         """Epsilon, delta, steps and phases, the caveats, and whether the guarantee holds
         (False when a caveat voids the proof: see ``VOIDING`` and docs/privacy.md)."""
         caveats = sorted(self.caveats)
@@ -99,6 +99,8 @@ class PrivacyBudget:
                                      "example's gradient clipped to l2_norm_clip per step")
         report["sampling"] = _sampling_assumption(caveats)
         report["not_covered"] = list(NOT_COVERED)
+        if clipping is not None:
+            report["clipping"] = clipping
         return report
 
     def _rdp_epsilon(self):
@@ -111,13 +113,15 @@ class PrivacyBudget:
         except (OverflowError, ValueError):
             return float("inf")
 
-    def statement(self) -> str:
+    def statement(self, clipping: str = None) -> str:
         """The report as text, in the spirit of TF Privacy's DP-SGD privacy statement."""
-        r = self.report()
+        r = self.report(clipping)
         lines = ["tf_dp privacy statement",
                  f"  unit of privacy: {r['unit_of_privacy']}",
                  f"  sampling: {r['sampling']}",
                  f"  steps: {r['steps']}"]
+        if "clipping" in r:
+            lines.insert(3, f"  clipping: {r['clipping']}")
         for p in r["phases"]:
             jl = "" if p.get("num_projections") is None else (
                 f", JL norms r = {p['num_projections']}")

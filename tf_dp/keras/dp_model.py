@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_dp import _internals, _validation
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import carriers, independence, private_step
+from tf_dp.core import carriers, clipping, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.budget import PrivacyBudget
 from tf_dp.keras.privacy_callback import PrivacyCallback
@@ -114,12 +114,16 @@ class DPTrainMixin:
         are in the model, outside epsilon). Sampling declared by the user
         (``sampling_probability=``) is a caveat the report lists but cannot check.
         """
-        return self.privacy_budget.report()
+        return self.privacy_budget.report(self._dp_clipping_description())
 
     def privacy_statement(self) -> str:
         """``privacy_report()`` as readable text (unit of privacy, sampling, steps per
         mechanism, epsilon and RDP's for comparison, caveats, what is never covered)."""
-        return self.privacy_budget.statement()
+        return self.privacy_budget.statement(self._dp_clipping_description())
+
+    def _dp_clipping_description(self):
+        opt = _dp_optimizer_of(getattr(self, "optimizer", None))
+        return None if opt is None else opt.clipping_description()
 
     def get_config(self):
         config = super().get_config()
@@ -367,10 +371,18 @@ class DPTrainMixin:
         # One secret draw of JL directions per logical step, shared by its micro-batches.
         jl_seed = opt.next_jl_seed() if opt.num_projections is not None else None
         max_rows = getattr(self, "_dp_max_rows", None)
+        if opt.adaptive_clipping is not None and not opt.built:
+            # Keras builds the optimizer in its first apply; adaptive clipping reads its C
+            # variable before that (created as Keras creates optimizer variables).
+            opt.build(carrier.trainable)
+        # C of this step, read once: every micro-batch is clipped to it and the noise scaled
+        # by it (adaptive clipping moves it only after the step's update).
+        clip = opt.current_clip()
         if k == 1 and max_rows is None:
-            grads = self._dp_micro_step(x, y, sample_weight, variables, jl_seed)
+            grads, count = self._dp_micro_step(x, y, sample_weight, variables, jl_seed, clip)
         else:
-            grads = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed, max_rows)
+            grads, count = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed,
+                                               max_rows, clip)
         _refuse_data_dependent_losses(self)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             # An eager custom loop: the same check fit() runs (cached after its first run).
@@ -380,19 +392,30 @@ class DPTrainMixin:
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
         opt.apply_private(grads, variables, expected, sampling_probability=q, carrier=carrier,
-                          extra_gradients=_regularization_gradients(carrier.trainable))
-        return self.get_metrics_result()
+                          extra_gradients=_regularization_gradients(carrier.trainable),
+                          clip_count=count, clip=clip)
+        logs = self.get_metrics_result()
+        if opt.adaptive_clipping is not None:
+            # The clip the next step uses (post-processing of released values), in History.
+            logs = {**logs, "l2_norm_clip": opt.current_clip()}
+        return logs
 
-    def _dp_micro_step(self, x, y, sample_weight, variables, jl_seed=None):
+    def _dp_micro_step(self, x, y, sample_weight, variables, jl_seed=None, clip=None):
+        """(clipped sums, centred count of unclipped examples, or 0 without adaptive
+        clipping) of one micro-batch."""
         opt = _dp_optimizer_of(self.optimizer)
+        clip = opt.current_clip() if clip is None else clip
         result = loss_scale_lib.scaled_clipped_sum(
-            self, x, y, sample_weight, self._dp_loss, opt.l2_norm_clip,
+            self, x, y, sample_weight, self._dp_loss, opt.clip_spec(variables, clip),
             loss_scale=getattr(self, "_dp_loss_scale", None), variables=variables,
             norm_strategy=opt.norm_strategy, seed=jl_seed)
         self._dp_update_metrics(x, y, result, sample_weight)
-        return result.grads
+        if opt.adaptive_clipping is None:
+            return result.grads, tf.constant(0.0, tf.float64)
+        return result.grads, clipping.centred_count(result.norms, clip, sample_weight)
 
-    def _dp_accumulate(self, x, y, sample_weight, variables, k, jl_seed=None, max_rows=None):
+    def _dp_accumulate(self, x, y, sample_weight, variables, k, jl_seed=None, max_rows=None,
+                       clip=None):
         """Clipped sums of the logical batch in parts: k equal parts, or with ``max_rows``
         as many parts of at most ``max_rows`` examples as the realised batch needs."""
         n = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -406,15 +429,16 @@ class DPTrainMixin:
                 lo, hi = j * max_rows, tf.minimum((j + 1) * max_rows, n)
             return tf.nest.map_structure(lambda t: None if t is None else t[lo:hi], structure)
 
-        def body(j, *acc):
-            grads = self._dp_micro_step(part(x, j), part(y, j), part(sample_weight, j),
-                                        variables, jl_seed)
-            return (j + 1, *[a + g for a, g in zip(acc, grads)])
+        def body(j, count, *acc):
+            grads, c = self._dp_micro_step(part(x, j), part(y, j), part(sample_weight, j),
+                                           variables, jl_seed, clip)
+            return (j + 1, count + c, *[a + g for a, g in zip(acc, grads)])
 
         zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        out = tf.while_loop(lambda j, *acc: j < k, body, (tf.constant(0), *zeros),
+        out = tf.while_loop(lambda j, *acc: j < k, body,
+                            (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
                             parallel_iterations=1)
-        return list(out[1:])
+        return list(out[2:]), out[1]
 
     def _dp_update_metrics(self, x, y, result, sample_weight):
         y_pred = result.y_pred

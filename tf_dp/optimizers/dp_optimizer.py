@@ -6,11 +6,16 @@ from __future__ import annotations
 import math
 import warnings
 
+import keras
 import tensorflow as tf
 
 from tf_dp import _validation
 from tf_dp.core import ledger as ledger_lib
-from tf_dp.core import norm_strategies, private_step, randomness
+from tf_dp.core import clipping, norm_strategies, private_step, randomness
+
+#: Folded into a step's noise seed for the count noise of adaptive clipping (gradient noise
+#: folds in the variable indices 0, 1, ...).
+_COUNT_NOISE_STREAM = 2**31 - 1
 
 _PLAIN_MODEL_MESSAGE = (
     "{name} is a differentially private optimizer but was called by a plain Keras train "
@@ -33,6 +38,16 @@ DP_ARGS_DOC = """l2_norm_clip: the clipping norm C (> 0).
         or ``tf_dp.JL(r)`` (r JL projections, Bu et al. 2021, accounted as the JL
         mechanism). A ``tf_dp.NormStrategy`` or its name.
       num_projections: r, only with ``norm_strategy="jl"`` (same as ``tf_dp.JL(r)``).
+      adaptive_clipping: None (C fixed) or ``tf_dp.AdaptiveClipping(target_quantile, ...)``:
+        C starts at ``l2_norm_clip`` and follows a quantile of the per-example norms (Andrew
+        et al. 2021) through a noised count released each step. ``noise_multiplier`` stays
+        the accounted noise of the whole step (gradient and count); the gradient gets the
+        slightly larger ``(sigma^-2 - (2 sigma_b)^-2)^-1/2``. Exact norms only.
+      per_layer_clipping: None (one clip for the whole gradient), "equal", "dimension" or
+        {layer name: weight}: each layer's part of an example's gradient is clipped to
+        ``C sqrt(share)`` (shares equal, proportional to the layer's size, or to the
+        weights), so the whole stays within C and the accounting is unchanged. Exact norms
+        only.
       seed: debugging only. None (default): noise from fresh OS entropy, never saved or
         replayed. An int makes the noise a public function of the seed, so the privacy
         guarantee does not hold (a warning says so)."""
@@ -60,7 +75,8 @@ class DPOptimizerMixin:
             cls.__doc__ = cls.__doc__.replace("{{dp_args}}", DP_ARGS_DOC)
 
     def __init__(self, l2_norm_clip, noise_multiplier, *args, gradient_accumulation_steps=1,
-                 norm_strategy="auto", num_projections=None, seed=None, **kwargs):
+                 norm_strategy="auto", num_projections=None, seed=None,
+                 adaptive_clipping=None, per_layer_clipping=None, **kwargs):
         # Validated before the Keras base __init__, so a bad argument never half-builds one.
         sigma = _validation.noise_multiplier(noise_multiplier)
         clip = _validation.l2_norm_clip(l2_norm_clip, sigma)
@@ -68,6 +84,17 @@ class DPOptimizerMixin:
             gradient_accumulation_steps, "gradient_accumulation_steps")
         strategy = norm_strategies.get(norm_strategy, num_projections)
         seed = _validation.seed(seed)
+        adaptive = _adaptive_clipping(adaptive_clipping)
+        per_layer = clipping.validate_per_layer(per_layer_clipping)
+        if strategy.num_projections is not None and (adaptive or per_layer):
+            what = "adaptive_clipping" if adaptive else "per_layer_clipping"
+            raise ValueError(f"`{what}` needs exact per-example norms; `norm_strategy` "
+                             f"{strategy!r} estimates them (the JL accounting covers flat "
+                             "clipping only). Use norm_strategy='auto'.")
+        if adaptive is not None and math.isinf(clip):
+            raise ValueError("`adaptive_clipping` needs a finite initial `l2_norm_clip`.")
+        if adaptive is not None and adaptive.count_stddev is not None:
+            clipping.gradient_noise_multiplier(sigma, adaptive.count_stddev)  # 2 sigma_b > z
         kwargs.setdefault("name", type(self).__name__)
         super().__init__(*args, **kwargs)
         # Accumulation is done inside the private train step (one logical batch is split into
@@ -76,7 +103,8 @@ class DPOptimizerMixin:
         object.__setattr__(self, "_dp_params", {
             "l2_norm_clip": clip, "noise_multiplier": sigma, "norm_strategy": strategy,
             "num_projections": strategy.num_projections, "accumulation_steps": k,
-            "seed": seed})
+            "seed": seed, "adaptive_clipping": adaptive, "per_layer_clipping": per_layer})
+        object.__setattr__(self, "_dp_clip_var", None)
         # Plain Python attributes holding tf.Variables: Keras and tf.train.Checkpoint track
         # neither, so no saved file holds the key, the counters or the ledger.
         object.__setattr__(self, "_dp_noise", randomness.SecretStream("noise", seed))
@@ -158,7 +186,57 @@ class DPOptimizerMixin:
     num_projections = _dp_param("num_projections")
     accumulation_steps = _dp_param("accumulation_steps")
     seed = _dp_param("seed")
+    adaptive_clipping = _dp_param("adaptive_clipping")
+    per_layer_clipping = _dp_param("per_layer_clipping")
     del _dp_param
+
+    # -- the clip norm ---------------------------------------------------------------------
+
+    def build(self, var_list):
+        super().build(var_list)
+        if self.adaptive_clipping is not None and self._dp_clip_var is None:
+            # The current C of adaptive clipping: an optimizer variable (saved with the
+            # optimizer's state and restored with it; it is post-processing of released
+            # values), one value on every replica.
+            var = self.add_variable(
+                shape=(), dtype="float64", aggregation="only_first_replica",
+                initializer=keras.initializers.Constant(self.l2_norm_clip),
+                name="tf_dp_adaptive_clip")
+            object.__setattr__(self, "_dp_clip_var", var)
+
+    def current_clip(self):
+        """C of the next step: ``l2_norm_clip`` or, with adaptive clipping, its current
+        value (a float64 tensor)."""
+        if self.adaptive_clipping is None:
+            return self.l2_norm_clip
+        if self._dp_clip_var is None:
+            raise RuntimeError("Adaptive clipping: build the optimizer (compile and fit the "
+                               "model, or optimizer.build(variables)) before reading C.")
+        return tf.identity(self._dp_clip_var)
+
+    def clip_spec(self, variables, clip=None):
+        """What ``NormStrategy.clipped_sum`` clips ``variables`` to: C (``clip`` or
+        ``current_clip()``), or a per-layer ``ClipSpec``."""
+        clip = self.current_clip() if clip is None else clip
+        if self.per_layer_clipping is None:
+            return clip
+        return clipping.per_layer_spec(self.per_layer_clipping, list(variables), clip)
+
+    def clipping_description(self) -> str:
+        """How this optimizer clips, in words (for the privacy report)."""
+        if self.per_layer_clipping is not None:
+            split = self.per_layer_clipping
+            text = (f"per layer (shares {split!r} of C^2), total C = {self.l2_norm_clip:g}")
+        else:
+            text = f"flat, C = {self.l2_norm_clip:g}"
+        a = self.adaptive_clipping
+        if a is not None:
+            sb = ("expected batch / 20" if a.count_stddev is None else f"{a.count_stddev:g}")
+            text += (f"; adaptive from that initial C (Andrew et al. 2021): target quantile "
+                     f"{a.target_quantile:g}, learning rate {a.learning_rate:g}, count noise "
+                     f"std {sb}; noise_multiplier {self.noise_multiplier:g} is the joint "
+                     "noise of gradient and count, as accounted")
+        return text
 
     @property
     def seeded(self) -> bool:
@@ -177,7 +255,8 @@ class DPOptimizerMixin:
         return self._dp_jl.next_seed()
 
     def apply_private(self, clipped_sums, variables, expected_batch_size,
-                      sampling_probability=None, carrier=None, extra_gradients=None):
+                      sampling_probability=None, carrier=None, extra_gradients=None,
+                      clip_count=None, clip=None):
         """Adds the noise of one logical step, normalises, applies and records the step.
 
         Args:
@@ -195,6 +274,10 @@ class DPOptimizerMixin:
             (post-processing, e.g. RGP's reconstruction). None: plain variables.
           extra_gradients: optional {id(variable): gradient} of data-independent terms
             (weight regularisers), added after privatisation.
+          clip_count: adaptive clipping only (required then): this replica's
+            ``tf_dp.core.clipping.centred_count`` of the logical batch.
+          clip: the C the sums were clipped to (default ``current_clip()``); the noise is
+            scaled by it.
         """
         q = 1.0 if sampling_probability is None else float(sampling_probability)
         if not 0 < q <= 1:
@@ -204,10 +287,20 @@ class DPOptimizerMixin:
         replica_id = ctx.replica_id_in_sync_group if ctx is not None else 0
         # Keras sums the replicas' gradients: only the first replica adds noise.
         first_replica = tf.cast(tf.equal(tf.cast(replica_id, tf.int32), 0), tf.float32)
-        stddev = self.noise_multiplier * self.l2_norm_clip
+        adaptive = self.adaptive_clipping
+        if adaptive is not None and clip_count is None:
+            raise ValueError("Adaptive clipping: `clip_count` (the centred count of unclipped "
+                             "examples, tf_dp.core.clipping.centred_count) is required.")
+        clip = self.current_clip() if clip is None else clip
+        sigma = self.noise_multiplier
+        if adaptive is not None:
+            count_stddev = adaptive.count_noise(expected_batch_size)
+            sigma = clipping.gradient_noise_multiplier(sigma, count_stddev)
         shapes = [(v.shape, g.dtype) for g, v in zip(clipped_sums, variables)]
-        if stddev > 0:
-            noise = private_step.gaussian_noise(shapes, stddev, self._dp_noise.next_seed())
+        seed = self._dp_noise.next_seed() if self.noise_multiplier > 0 else None
+        if seed is not None:
+            stddev = clipping.as_float64(sigma) * clipping.as_float64(clip)
+            noise = private_step.gaussian_noise(shapes, tf.cast(stddev, tf.float32), seed)
             noise = [n * tf.cast(first_replica, n.dtype) for n in noise]
         else:
             noise = [tf.zeros(s, d) for s, d in shapes]
@@ -231,12 +324,33 @@ class DPOptimizerMixin:
                 self.apply(grads, variables)
         finally:
             self._inside_private_step = False
+        if adaptive is not None:
+            self._update_clip(clip, clip_count, count_stddev, expected_batch_size, seed,
+                              first_replica, ctx)
         # Recorded once per global step (by the first replica), after the update.
         with tf.control_dependencies([self.iterations]):
             self._dp_ledger.record(self.mechanism(q), count=first_replica)
 
+    def _update_clip(self, clip, clip_count, count_stddev, expected_batch_size, seed,
+                     first_replica, ctx):
+        """Adaptive clipping: releases the noised count (noise once, by the first replica,
+        from the step's secret seed) and moves C."""
+        count = clipping.as_float64(clip_count)
+        if seed is not None:
+            # A seed of its own, folded from the step's: independent of the gradient noise.
+            count_seed = tf.random.experimental.stateless_fold_in(seed, _COUNT_NOISE_STREAM)
+            draw = tf.random.stateless_normal([], seed=count_seed, dtype=tf.float64)
+            count += draw * clipping.as_float64(count_stddev) * tf.cast(first_replica,
+                                                                         tf.float64)
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            count = ctx.all_reduce(tf.distribute.ReduceOp.SUM, count)
+        new = self.adaptive_clipping.update(clip, count, expected_batch_size)
+        self._dp_clip_var.assign(new)
+
     def mechanism(self, sampling_probability):
-        """(sigma, q, r): what the accountant composes for one step at rate q."""
+        """(sigma, q, r): what the accountant composes for one step at rate q (with adaptive
+        clipping sigma is the joint noise of gradient and count, see ``tf_dp.core.clipping``;
+        per-layer clipping is the same mechanism as flat clipping at C)."""
         return (self.noise_multiplier, float(sampling_probability), self.num_projections)
 
     def drain_steps(self):
@@ -263,7 +377,10 @@ class DPOptimizerMixin:
         config.update({"l2_norm_clip": self.l2_norm_clip,
                        "noise_multiplier": self.noise_multiplier,
                        "gradient_accumulation_steps": self.accumulation_steps,
-                       **self.norm_strategy.get_config(), "seed": self.seed})
+                       **self.norm_strategy.get_config(), "seed": self.seed,
+                       "adaptive_clipping": (None if self.adaptive_clipping is None
+                                             else self.adaptive_clipping.get_config()),
+                       "per_layer_clipping": self.per_layer_clipping})
         return config
 
 
@@ -293,3 +410,16 @@ class JLAlias:
                              f"num_projections), got {given!r}; use the exact optimizer.")
         super().__init__(l2_norm_clip, noise_multiplier,
                          norm_strategy=norm_strategies.JL(num_projections), **kwargs)
+
+
+def _adaptive_clipping(value):
+    """None, an ``AdaptiveClipping``, or its config dict (from ``get_config``)."""
+    if value is None or isinstance(value, clipping.AdaptiveClipping):
+        return value
+    if isinstance(value, dict):
+        try:
+            return clipping.AdaptiveClipping(**value)
+        except TypeError as err:
+            raise ValueError(f"`adaptive_clipping` config {value!r} is not valid: {err}") from None
+    raise ValueError("`adaptive_clipping` must be None or tf_dp.AdaptiveClipping(...), got "
+                     f"{value!r}.")
