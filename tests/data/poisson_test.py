@@ -170,13 +170,15 @@ def test_pad_to_pads_with_weight_zero_rows():
     assert seen_padding
 
 
-def test_pad_to_gives_a_static_batch_axis():
-    # The point of pad_to (docstring: "pads every batch to a static size ... for XLA or
-    # other static-shape needs") is a known batch axis in the dataset's element_spec.
+def test_pad_to_gives_a_static_batch_axis_only_when_no_sample_can_exceed_it():
+    # pad_to >= N: no Poisson batch exceeds it, so the batch axis is static (XLA, ...).
+    # pad_to < N: a batch may exceed it and is then padded to a multiple of it, so the axis
+    # is None (fit(max_physical_batch_size=pad_to) gives fixed physical batches).
     x, y = _ids(20)
-    ds = PoissonSampler(x, y, sampling_probability=0.3, pad_to=16, seed=1).dataset(num_steps=2)
-    for spec in tf.nest.flatten(ds.element_spec):
-        assert spec.shape[0] == 16, ds.element_spec
+    for pad, want in [(20, 20), (25, 25), (16, None)]:
+        ds = PoissonSampler(x, y, sampling_probability=0.3, pad_to=pad).dataset(num_steps=2)
+        for spec in tf.nest.flatten(ds.element_spec):
+            assert spec.shape[0] == want, (pad, ds.element_spec)
 
 
 def test_pad_to_without_sample_weight_marks_real_rows_with_one():
@@ -187,15 +189,27 @@ def test_pad_to_without_sample_weight_marks_real_rows_with_one():
         np.testing.assert_array_equal(wb.numpy(), [1.0] * m + [0.0] * (10 - m))
 
 
-def test_pad_to_raises_when_a_batch_exceeds_it():
-    # The error must name `pad_to` every time, whatever order tf.data runs the ops of its map
-    # function in (hence several fresh pipelines: a race shows up in some of them).
-    x, y = _ids(10)
-    for seed in range(8):
-        ds = PoissonSampler(x, y, sampling_probability=1.0, pad_to=9,
-                            seed=seed).dataset(num_steps=1)
-        with pytest.raises(tf.errors.InvalidArgumentError, match="pad_to"):
-            list(ds)
+@pytest.mark.parametrize("source", ["arrays", "dataset"])
+def test_a_batch_larger_than_pad_to_is_padded_to_the_next_multiple_never_truncated(source):
+    # q = 1 takes all 10 examples every step; pad_to = 4 is exceeded: the batch is padded to
+    # 12 (the next multiple), with every sampled example in it (dropping one would change the
+    # mechanism the accountant counts) and no error.
+    x = np.arange(1, 11, dtype=np.int64)  # ids from 1 so padding (zeros) is visible
+    y = x.astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, y)) if source == "dataset" else x
+    sampler = PoissonSampler(data, *([] if source == "dataset" else [y]),
+                             sampling_probability=1.0, pad_to=4)
+    for xb, yb, wb in sampler.dataset(num_steps=3):
+        assert xb.shape == (12,) and yb.shape == (12,) and wb.shape == (12,)
+        np.testing.assert_array_equal(np.sort(xb.numpy()[:10]), x)
+        np.testing.assert_array_equal(xb.numpy()[10:], 0)
+        np.testing.assert_array_equal(wb.numpy(), [1.0] * 10 + [0.0] * 2)
+    # Sizes are multiples of pad_to: pad_to itself unless the sample is larger.
+    x, y = _ids(30)
+    # q N = 10.5: about half the samples exceed 10 (P(none in 40 steps) ~ 1e-12).
+    sizes = {int(e[0].shape[0]) for e in PoissonSampler(x, y, sampling_probability=0.35,
+                                                        pad_to=10).dataset(num_steps=40)}
+    assert sizes <= {10, 20, 30} and {10, 20} <= sizes, sizes
 
 
 # ------------------------------------------------------------------ sizes and arguments
@@ -287,7 +301,361 @@ def test_auto_padding_is_exceeded_with_probability_below_1e9(n, q):
                              pad_to="auto")
     assert sampler.pad_to == b
     x, _, _ = next(iter(sampler.dataset(num_steps=1)))
-    assert x.shape[0] == b  # static padded size
+    assert x.shape[0] == b  # exceeded (then a multiple of b) with probability < 1e-9
+
+
+# ------------------------------------------------------------------ both sources, unseeded
+#
+# The checks below draw from fresh OS entropy (no seed); each statistical check is a test at
+# level <= 1e-7, so a correct sampler fails one about once in a million runs, while the
+# samplings that break the accounting (fixed-size batches, a repeated sample, a wrong rate)
+# fail every time (test_the_poisson_checks_reject_other_samplings).
+
+ALPHA = 1e-7
+
+
+def _id_dataset(n, known_size=True):
+    """A tf.data source of n examples (x, y) = (i, float(i)); with known_size=False,
+    TensorFlow does not know its cardinality (as after filter(), files, generators)."""
+    ds = tf.data.Dataset.range(n).map(lambda i: (i, tf.cast(i, tf.float32)))
+    return ds if known_size else ds.filter(lambda i, y: i >= 0)
+
+
+def _source(kind, n):
+    """(args, kwargs) of a PoissonSampler over n id examples of this kind of source."""
+    if kind == "arrays":
+        return _ids(n), {}
+    return (_id_dataset(n, known_size=False),), {"dataset_size": n}
+
+
+def _check_poisson(m, q, what):
+    """Fails unless the T x N inclusion matrix ``m`` looks like T independent Poisson samples
+    at rate q: no example twice, per-example and overall rates q (binomial tests), batch
+    sizes Binomial(N, q) (chi-square), inclusion at t independent of t - 1 (chi-square)."""
+    from scipy import stats
+
+    t, n = m.shape
+    assert m.max() <= 1, f"{what}: an example twice in one batch"
+    p = stats.binomtest(int(m.sum()), t * n, q).pvalue
+    assert p > ALPHA, f"{what}: overall rate {m.mean():.4f} vs q = {q} (p = {p:.2g})"
+    for i in range(n):
+        p = stats.binomtest(int(m[:, i].sum()), t, q).pvalue
+        assert p > ALPHA / n, f"{what}: example {i} included at {m[:, i].mean():.3f} (p {p:.2g})"
+    sizes = m.sum(axis=1)
+    expected = stats.binom.pmf(np.arange(n + 1), n, q) * t
+    observed = np.bincount(sizes, minlength=n + 1).astype(np.float64)
+    # Merge the tails until every bin expects at least 5 batches (the chi-square regime).
+    lo, hi = int(np.argmax(expected >= 5)), n - int(np.argmax(expected[::-1] >= 5))
+    exp = np.concatenate([[expected[:lo + 1].sum()], expected[lo + 1:hi], [expected[hi:].sum()]])
+    obs = np.concatenate([[observed[:lo + 1].sum()], observed[lo + 1:hi], [observed[hi:].sum()]])
+    p = stats.chisquare(obs, exp).pvalue
+    assert p > ALPHA, f"{what}: batch sizes are not Binomial({n}, {q}) (p = {p:.2g})"
+    # Example i at step t against example i at step t + 1 (pooled 2 x 2 table).
+    a, b = m[:-1].ravel(), m[1:].ravel()
+    table = [[np.sum((a == u) & (b == v)) for v in (0, 1)] for u in (0, 1)]
+    p = stats.chi2_contingency(table).pvalue
+    assert p > ALPHA, f"{what}: inclusions at consecutive steps are dependent (p = {p:.2g})"
+
+
+@pytest.mark.parametrize("kind, steps", [("arrays", 1500), ("dataset", 500)])
+def test_samples_are_independent_poisson_samples(kind, steps):
+    n, q = 40, 0.25
+    args, kwargs = _source(kind, n)
+    m = _indicator(_batches(PoissonSampler(*args, sampling_probability=q, **kwargs), steps), n)
+    _check_poisson(m, q, kind)
+
+
+def test_the_poisson_checks_reject_other_samplings():
+    # The checks above have the power to fail: each sampling that breaks the accounting is
+    # rejected (synthetic inclusion matrices; the generator seed is data, not a DP seed).
+    rng = np.random.default_rng(0)
+    t, n, q = 500, 40, 0.25
+
+    def poisson(rate):
+        return (rng.uniform(size=(t, n)) < rate).astype(np.int64)
+
+    _check_poisson(poisson(q), q, "reference")  # the reference passes
+    fixed = np.zeros((t, n), np.int64)  # shuffled fixed-size batches of q N examples
+    for row in fixed:
+        row[rng.choice(n, int(q * n), replace=False)] = 1
+    repeated = np.repeat(poisson(q)[::2], 2, axis=0)  # every sample used for two steps
+    for bad, name in [(fixed, "fixed"), (repeated, "repeated"), (poisson(0.28), "rate")]:
+        with pytest.raises(AssertionError):
+            _check_poisson(bad, q, name)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_two_samplers_and_two_iterations_never_repeat_a_sample(kind):
+    args, kwargs = _source(kind, 50)
+
+    def draws(sampler, steps=4):
+        ds = sampler.dataset(num_steps=steps)
+        return [tuple(b) for b in _batches_of(ds)], [tuple(b) for b in _batches_of(ds)]
+
+    first, again = draws(PoissonSampler(*args, sampling_probability=0.3, **kwargs))
+    other, _ = draws(PoissonSampler(*args, sampling_probability=0.3, **kwargs))
+    assert first != again and first != other  # identical by chance: probability ~ 1e-60
+    assert len(set(first + again + other)) == 12
+
+
+def _batches_of(ds):
+    return [e[0].numpy() for e in ds]
+
+
+# ------------------------------------------------------------------ dataset sources
+
+
+def test_a_dataset_source_takes_n_from_its_cardinality_or_dataset_size():
+    s = PoissonSampler(_id_dataset(30), expected_batch_size=6)
+    assert s.dataset_size == 30 and s.sampling_probability == pytest.approx(0.2)
+    s = PoissonSampler(_id_dataset(30, known_size=False), expected_batch_size=6,
+                       dataset_size=30)
+    assert s.dataset_size == 30 and s.expected_batch_size == pytest.approx(6)
+    with pytest.raises(ValueError, match="`dataset_size=N`"):
+        PoissonSampler(_id_dataset(30, known_size=False), expected_batch_size=6)
+    with pytest.raises(ValueError, match="`dataset_size` must be the dataset's cardinality"):
+        PoissonSampler(_id_dataset(30), expected_batch_size=6, dataset_size=31)
+    with pytest.raises(ValueError, match="`dataset_size`"):
+        PoissonSampler(_id_dataset(30, known_size=False), expected_batch_size=6,
+                       dataset_size=0)
+    with pytest.raises(ValueError, match="infinite"):
+        PoissonSampler(_id_dataset(30).repeat(), expected_batch_size=6)
+    with pytest.raises(ValueError, match="no examples"):
+        PoissonSampler(_id_dataset(30).take(0), expected_batch_size=6)
+    x, y = _ids(30)
+    with pytest.raises(ValueError, match="`dataset_size` must be the number of examples"):
+        PoissonSampler(x, y, expected_batch_size=6, dataset_size=29)
+
+
+@pytest.mark.parametrize("size, error", [(31, "fewer"), (29, "more")])
+def test_a_wrong_dataset_size_stops_the_pass(size, error):
+    # q N is the denominator of the private mean: a source that yields another number of
+    # examples than declared must not train (more is caught at the (N+1)-th example).
+    sampler = PoissonSampler(_id_dataset(30, known_size=False), sampling_probability=0.5,
+                             dataset_size=size)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"{error} than `dataset_size`"):
+        list(sampler.dataset(num_steps=2))
+
+
+def test_a_dataset_source_refuses_batches_targets_beside_it_and_ragged_examples():
+    with pytest.raises(ValueError, match="yields batches"):
+        PoissonSampler(_id_dataset(30).batch(4), expected_batch_size=6)
+    with pytest.raises(ValueError, match="yields batches"):
+        PoissonSampler(_id_dataset(30).batch(4).map(lambda x, y: (x, y)).prefetch(1),
+                       expected_batch_size=6)
+    PoissonSampler(_id_dataset(30).batch(4).unbatch(), expected_batch_size=6, dataset_size=30)
+    with pytest.raises(ValueError, match="`y` and `sample_weight`"):
+        PoissonSampler(_id_dataset(30), np.arange(30), expected_batch_size=6)
+    ragged = tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3]]))
+    with pytest.raises(ValueError, match="dense tensors"):
+        PoissonSampler(ragged, sampling_probability=0.5)
+
+
+def test_each_step_is_one_pass_over_a_dataset_source():
+    # The documented cost: a logical step reads the whole source once (Poisson sampling
+    # decides for every example); `from_generator` starts one generator per pass.
+    passes = []
+
+    def examples():
+        passes.append(1)
+        yield from ((np.float32(i), np.float32(i)) for i in range(12))
+
+    ds = tf.data.Dataset.from_generator(examples, output_signature=(
+        tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)))
+    sampler = PoissonSampler(ds, sampling_probability=0.5, dataset_size=12)
+    assert len(list(sampler.dataset(num_steps=5))) == 5
+    assert len(passes) == 5
+
+
+# ------------------------------------------------------------------ structures and empty steps
+
+
+def _structured(n):
+    ids = np.arange(n)
+    x = {"a": np.stack([ids, 2 * ids, 3 * ids], axis=1).astype(np.float32),
+         "text": np.array([f"ex{i}é" for i in range(n)])}
+    return x, ids.astype(np.int64), (ids + 1).astype(np.float32)
+
+
+def _structured_source(kind, n):
+    x, y, w = _structured(n)
+    if kind == "dataset":
+        return (tf.data.Dataset.from_tensor_slices((x, y, w)),), {}
+    return (x, y), {"sample_weight": w}
+
+
+def _check_rows(xb, yb, wb):
+    ids = yb.numpy()
+    np.testing.assert_array_equal(xb["a"].numpy(), np.stack([ids, 2 * ids, 3 * ids], 1))
+    assert [t.decode() for t in xb["text"].numpy()] == [f"ex{i}é" for i in ids]
+    np.testing.assert_array_equal(wb.numpy(), ids + 1)
+    assert wb.dtype == tf.float32
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_dict_inputs_text_and_sample_weights_stay_aligned(kind):
+    args, kwargs = _structured_source(kind, 30)
+    seen = 0
+    for xb, yb, wb in PoissonSampler(*args, sampling_probability=0.4,
+                                     **kwargs).dataset(num_steps=5):
+        _check_rows(xb, yb, wb)
+        seen += len(yb)
+    assert seen > 0
+
+
+def test_inputs_without_targets():
+    x = np.arange(20, dtype=np.float32)[:, None]
+    for data in (x, tf.data.Dataset.from_tensor_slices(x)):
+        for xb, yb in PoissonSampler(data, sampling_probability=0.5).dataset(num_steps=3):
+            assert yb is None and xb.shape[1:] == (1,)
+        for xb, yb, wb in PoissonSampler(data, sampling_probability=0.5,
+                                         pad_to=20).dataset(num_steps=2):
+            assert yb is None and xb.shape == (20, 1)
+            np.testing.assert_array_equal(xb.numpy()[wb.numpy() == 0], 0)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_empty_samples_are_steps_with_the_right_shapes(kind):
+    # q N = 0.4: about two thirds of the samples are empty; each is still a step (the
+    # accountant counts it) with zero rows of every component's shape and dtype.
+    args, kwargs = _structured_source(kind, 20)
+    batches = list(PoissonSampler(*args, sampling_probability=0.02,
+                                  **kwargs).dataset(num_steps=30))
+    assert len(batches) == 30
+    empty = [b for b in batches if b[1].shape[0] == 0]
+    assert empty  # none in 30 steps: probability 1e-14
+    for xb, yb, wb in batches:
+        m = yb.shape[0]
+        assert xb["a"].shape == (m, 3) and xb["text"].shape == (m,) and wb.shape == (m,)
+        assert xb["a"].dtype == tf.float32 and xb["text"].dtype == tf.string
+        _check_rows(xb, yb, wb)
+    padded = list(PoissonSampler(*args, sampling_probability=0.02, pad_to=4,
+                                 **kwargs).dataset(num_steps=30))
+    assert all(b[1].shape == (4,) for b in padded)
+    assert any(np.all(b[2].numpy() == 0) for b in padded)  # an empty step: all padding
+
+
+# ------------------------------------------------------------------ array sources
+
+
+def test_arrays_are_not_embedded_in_the_graph():
+    # The arrays used to be tf.constants in the dataset's graph (2 GB GraphDef limit, a copy
+    # of the data); the graph now holds a reference: its size does not depend on N.
+    sizes = {}
+    for n in (10, 200_000):
+        x = np.zeros((n, 8), np.float32)
+        ds = PoissonSampler(x, np.arange(n), sampling_probability=0.01).dataset(num_steps=2)
+        sizes[n] = len(ds._as_serialized_graph().numpy())
+    assert sizes[200_000] - sizes[10] < 100 and sizes[10] < 50_000, sizes  # data: 6.4 MB
+
+
+def test_a_memmap_is_a_file_backed_source(tmp_path):
+    # np.load(mmap_mode="r") arrays are held by reference (never read whole into memory):
+    # each step reads only its sampled rows.
+    n = 500
+    np.save(tmp_path / "x.npy", np.arange(3 * n, dtype=np.float32).reshape(n, 3))
+    np.save(tmp_path / "y.npy", np.arange(n))
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    y = np.load(tmp_path / "y.npy", mmap_mode="r")
+    sampler = PoissonSampler(x, y, expected_batch_size=20)
+    assert sampler.source[0] is x
+    seen = 0
+    for xb, yb in sampler.dataset(num_steps=4):
+        np.testing.assert_array_equal(xb.numpy(), np.asarray(x)[yb.numpy()])
+        seen += len(yb)
+    assert seen > 0
+
+
+# ------------------------------------------------------------------ fit
+
+
+def _dp_model():
+    import keras
+
+    import tf_dp
+
+    model = tf_dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(4, "tanh"),
+                                      keras.layers.Dense(1)])
+    return model
+
+
+def _regression_source(n):
+    rng = np.random.default_rng(1)  # data, not sampling
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32))[:, None]
+    return x, y
+
+
+def test_fit_trains_on_a_dataset_source_and_accounts_its_q_every_step():
+    import tf_dp
+
+    x, y = _regression_source(64)
+    source = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
+    sampler = PoissonSampler(source, expected_batch_size=16, dataset_size=64)
+    # Per-example augmentation after the sampler keeps q (README pattern).
+    noisy = sampler.dataset().map(lambda a, b: (a + tf.random.normal(tf.shape(a), 0, 0.01), b))
+    model = _dp_model()
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                        learning_rate=0.1), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(noisy, epochs=2, verbose=0)
+    steps = 2 * sampler.steps_per_epoch
+    assert model.accountant.steps == steps == 8
+    report = model.privacy_report()
+    assert report["guarantee_holds"]
+    assert [(p["sampling_probability"], p["count"]) for p in report["phases"]] == [(0.25, steps)]
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert any(np.any(a != b) for a, b in zip(model.get_weights(), before))
+
+
+def test_fit_takes_empty_steps():
+    # q N = 0.1: nearly every step is an empty batch; each is a step (noise alone) and is
+    # accounted, none is dropped or fails.
+    import tf_dp
+
+    x, y = _regression_source(10)
+    model = _dp_model()
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                        learning_rate=0.1), loss="mse", metrics=["mae"])
+    sampler = PoissonSampler(tf.data.Dataset.from_tensor_slices((x, y)),
+                             sampling_probability=0.01)
+    model.fit(sampler, epochs=1, steps_per_epoch=5, verbose=0)
+    assert int(model.optimizer.iterations) == 5
+    assert model.privacy_report()["phases"] == [
+        {"noise_multiplier": 1.0, "sampling_probability": 0.01, "num_projections": None,
+         "count": 5}]
+
+
+@pytest.mark.filterwarnings("ignore:ε = inf")  # sigma = 0
+@pytest.mark.parametrize("kind", ["arrays", "dataset"])
+def test_padding_rows_are_inert_in_training(kind):
+    # q = 1 and sigma = 0 make fit deterministic without any seed: all 10 examples every
+    # step. pad_to = 4 pads each batch to 12 (two weight-0 rows of zeros) and
+    # max_physical_batch_size = 4 runs it as 3 physical batches of 4: the weights and the
+    # logged loss must be those of the unpadded run (the padding adds nothing to the
+    # clipped sum and is not in the metrics).
+    import tf_dp
+
+    x, y = _regression_source(10)
+    data = tf.data.Dataset.from_tensor_slices((x, y)) if kind == "dataset" else x
+    extra = [] if kind == "dataset" else [y]
+    init = _dp_model().get_weights()
+    results = []
+    for pad_to, rows in [(None, None), (4, 4)]:
+        model = _dp_model()
+        model.set_weights(init)
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=0.5, noise_multiplier=0.0,
+                                            learning_rate=0.1), loss="mse")
+        sampler = PoissonSampler(data, *extra, sampling_probability=1.0, pad_to=pad_to)
+        history = model.fit(sampler, epochs=1, steps_per_epoch=3, verbose=0,
+                            max_physical_batch_size=rows)
+        results.append((model.get_weights(), history.history["loss"]))
+    (w0, loss0), (w1, loss1) = results
+    for a, b in zip(w0, w1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss0, loss1, rtol=1e-5)
+    assert any(np.any(np.abs(a - b) > 1e-3) for a, b in zip(w0, init))
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

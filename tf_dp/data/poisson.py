@@ -22,46 +22,99 @@ _KEEPS_SAMPLING = ("MapDataset", "ParallelMapDataset", "PrefetchDataset", "TakeD
                    "_OptionsDataset", "OptionsDataset", "RepeatDataset", "_PrefetchDataset",
                    "_MapDataset", "_ParallelMapDataset", "_TakeDataset", "_RepeatDataset")
 
+# A dataset whose last transformation is one of these yields batches, not examples.
+_BATCHING = ("BatchDataset", "_BatchDataset", "PaddedBatchDataset", "_PaddedBatchDataset",
+             "_RaggedBatchDataset", "_DenseToRaggedDataset", "ParallelBatchDataset",
+             "_ParallelBatchDataset")
+
+# Rows a dataset source shows as `x`, `y`, `sample_weight` (fit's independence check reads
+# a few of them before training).
+_HEAD_ROWS = 32
+# A dataset source is read in chunks of at most this many bytes (and 1024 examples): one
+# stateless uniform draw per chunk decides which of its examples are kept.
+_CHUNK_BYTES = 8 << 20
+_MAX_CHUNK = 1024
+
 
 class PoissonSampler:
     """Batches in which every example is included independently with probability q.
 
     Each element is one logical batch, a Poisson sample of the data set (with gradient
     accumulation the private train step splits it into disjoint micro-batches, so no
-    example appears twice in one logical step). Batch sizes vary (the batch axis is ``None``,
-    so Keras traces the train step once); ``pad_to`` pads every batch to a static size with
-    sample weight 0 for XLA or other static-shape needs, and raises if a sample exceeds it.
+    example appears twice in one logical step). Batch sizes vary, and a batch may be empty:
+    that step still happens (the accountant counts it, and its update is noise alone).
+
+    The data come from one of two sources:
+
+    * **arrays** (numpy arrays, ``np.load(path, mmap_mode="r")`` memmaps, anything
+      ``np.asarray`` accepts; nested structures of them): held by reference, never copied
+      into the graph; each step draws the sampled indices and reads only those rows
+      (``np.take``), so a memmap is a file-backed source of any size.
+    * **a** ``tf.data.Dataset`` **of examples** (``TFRecordDataset(...).map(parse)``, ...),
+      each element one example ``(x, y)``, ``(x, y, sample_weight)`` or ``x``, of a fixed
+      shape. Each logical step is one pass over the whole source, keeping every element
+      independently with probability q: a step costs reading N examples, not q*N. N must
+      be exact (q*N is the denominator of the private mean): the dataset's cardinality when
+      known, else ``dataset_size``; every pass checks that the source yields exactly N.
+
+    Per-example maps after the sampler (augmentation) keep q:
+    ``fit(sampler.dataset().map(augment))``, where ``augment`` acts on each example of the
+    batch alone (docs/sampling.md).
+
+    ``pad_to`` pads every batch with sample weight 0 rows to a multiple of ``pad_to``:
+    ``pad_to`` itself unless the batch is larger, then the next multiple (never truncated:
+    dropping sampled examples would change the mechanism the accountant counts). With
+    ``fit(max_physical_batch_size=pad_to)`` every physical batch then has ``pad_to`` rows.
+
+    ```
+    for each logical step t:
+        seed_t = next seed of a secret stream (fresh OS entropy)
+        keep example i iff  uniform(seed_t, i) < q       # independently for i = 1..N
+        batch = the kept examples (+ weight-0 rows up to a multiple of pad_to)
+    ```
 
     Args:
-      x, y, sample_weight: arrays (or nested structures of arrays) with N examples.
+      x: arrays (or a nested structure of arrays) with N examples, or a
+        ``tf.data.Dataset`` whose elements are single examples.
+      y, sample_weight: arrays with N examples (array sources only; a dataset's elements
+        carry their own).
       expected_batch_size: expected logical batch size q*N (give this or
         ``sampling_probability``).
       sampling_probability: q in (0, 1].
       steps_per_epoch: logical steps per epoch; default round(1/q).
-      pad_to: optional static (logical) batch size: batches are padded to it with weight-0
-        rows; a sample larger than it raises an error. "auto": the smallest size a batch
-        exceeds with probability below 1e-9 (``safe_pad_to``).
+      pad_to: optional padded (logical) batch size: batches are padded with weight-0 rows to
+        a multiple of it (``pad_to`` itself unless the sample is larger). "auto": the
+        smallest size a batch exceeds with probability below 1e-9 (``safe_pad_to``).
       seed: debugging only. None (default): which examples are sampled is drawn from fresh
         OS entropy, never saved or replayed. An int makes the samples a public function of
         the seed, which voids the amplification by sampling the accountant counts (a warning
         says so).
+      dataset_size: N for a dataset source whose cardinality TensorFlow does not know
+        (``filter``, ``from_generator``, files, ...); checked against the cardinality when
+        known, and against the length of arrays.
 
     Reference: Abadi et al. 2016 and Mironov, Talwar, Zhang 2019 (sampled Gaussian
-    mechanism): the accounting assumes exactly this sampling.
+    mechanism): the accounting assumes exactly this sampling. Opacus' ``DPDataLoader`` is
+    the PyTorch counterpart.
     """
 
     def __init__(self, x, y=None, sample_weight=None, expected_batch_size=None,
-                 sampling_probability=None, steps_per_epoch=None, pad_to=None, seed=None):
-        leaves = [np.asarray(a) for a in tf.nest.flatten(x)]
-        if not leaves:
-            raise ValueError("`x` is empty.")
-        n = len(leaves[0])
-        for other in tf.nest.flatten((x, y, sample_weight)):
-            if other is not None and len(other) != n:
-                raise ValueError(f"All arrays must have the same length; got {len(other)} and "
-                                 f"{n}.")
-        if n == 0:
-            raise ValueError("`x` has no examples.")
+                 sampling_probability=None, steps_per_epoch=None, pad_to=None, seed=None,
+                 dataset_size=None):
+        if isinstance(x, tf.data.Dataset):
+            if y is not None or sample_weight is not None:
+                raise ValueError("`y` and `sample_weight` are for array sources; a dataset "
+                                 "source carries them in its elements: (x, y) or "
+                                 "(x, y, sample_weight).")
+            n = _source_size(x, dataset_size)
+            self._source = _DatasetSource(x, n)
+        else:
+            self._source = _ArraySource(x, y, sample_weight)
+            n = self._source.size
+            if dataset_size is not None and _validation.positive_int(
+                    dataset_size, "dataset_size") != n:
+                raise ValueError(f"`dataset_size` must be the number of examples ({n}), got "
+                                 f"{dataset_size!r}.")
         if (expected_batch_size is None) == (sampling_probability is None):
             raise ValueError("Give exactly one of `expected_batch_size` and "
                              "`sampling_probability`.")
@@ -75,7 +128,6 @@ class PoissonSampler:
             pad_to = safe_pad_to(n, sampling_probability)
         elif pad_to is not None:
             pad_to = _validation.positive_int(pad_to, "pad_to")
-        self.x, self.y, self.sample_weight = x, y, sample_weight
         self.dataset_size = n
         self.sampling_probability = float(sampling_probability)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
@@ -89,27 +141,47 @@ class PoissonSampler:
         self._stream = randomness.SecretStream("poisson", seed)
 
     @property
+    def source(self):
+        """The ``tf.data.Dataset`` of examples, or the ``(x, y, sample_weight)`` arrays."""
+        return self._source.data
+
+    @property
+    def x(self):
+        """The inputs (array source), or those of the source's first examples (at most 32,
+        batched; a dataset source), for checks that read rows ahead of training."""
+        return self._source.head()[0]
+
+    @property
+    def y(self):
+        """As ``x``, for the targets (None if there are none)."""
+        return self._source.head()[1]
+
+    @property
+    def sample_weight(self):
+        """As ``x``, for the sample weights (None if there are none)."""
+        return self._source.head()[2]
+
+    @property
     def expected_batch_size(self) -> float:
         """q * N: the denominator of the private mean, never the realised size."""
         return self.sampling_probability * self.dataset_size
 
     def dataset(self, num_steps=None) -> tf.data.Dataset:
-        """Batches ``(x, y[, sample_weight])``; endless unless ``num_steps`` is given."""
-        n, q = self.dataset_size, self.sampling_probability
-        data = tf.nest.map_structure(lambda a: None if a is None else tf.constant(np.asarray(a)),
-                                     (self.x, self.y, self.sample_weight))
-        stream, pad_to = self._stream, self.pad_to
+        """Batches ``(x, y[, sample_weight])``; endless unless ``num_steps`` is given.
 
-        def logical(step):
-            del step
-            u = tf.random.stateless_uniform([n], seed=stream.next_seed())
-            idx = tf.cast(tf.where(u < q)[:, 0], tf.int32)
-            return _gather(data, idx, pad_to)
-
+        Every element is one logical step, an empty batch included. With ``pad_to`` the
+        third part is always there (weight 0 on padding rows) and every batch has a
+        multiple of ``pad_to`` rows; its batch axis is static only when ``pad_to >= N``.
+        """
+        n, pad_to = self.dataset_size, self.pad_to
         steps = tf.data.Dataset.range(num_steps) if num_steps is not None else (
             tf.data.Dataset.range(2**62))
-        # Sequential map: with a debugging seed the order of the draws is reproducible.
-        ds = steps.map(logical).prefetch(2)
+        # One element per step, in order (sequential): with a debugging seed the order of the
+        # draws is reproducible.
+        samples = self._source.samples(steps, self.sampling_probability, self._stream)
+        ds = samples.map(lambda x, y, sw: _finish((x, y, sw), pad_to,
+                                                   static=pad_to is not None and pad_to >= n))
+        ds = ds.prefetch(2)
         _SAMPLED[ds] = self
         return ds
 
@@ -145,37 +217,13 @@ def sampler_of(dataset):
     return None
 
 
-def _gather(data, part, pad_to):
-    x, y, sw = data
-    take = lambda s: tf.nest.map_structure(lambda a: None if a is None else tf.gather(a, part), s)
-    xb, yb = take(x), take(y)
-    swb = None if sw is None else tf.cast(tf.gather(sw, part), tf.float32)
-    if pad_to is None:
-        return (xb, yb) if swb is None else (xb, yb, swb)
-    m = tf.shape(part)[0]
-    check = tf.debugging.assert_less_equal(
-        m, pad_to, message="tf_dp: a Poisson batch exceeded `pad_to`; raise `pad_to`.")
-    with tf.control_dependencies([check]):
-        m = tf.identity(m)
-    weight = tf.ones([m], tf.float32) if swb is None else swb
-
-    def pad(a):
-        padded = tf.concat([a, tf.zeros(tf.concat([[pad_to - m], tf.shape(a)[1:]], 0), a.dtype)],
-                           axis=0)
-        return tf.ensure_shape(padded, [pad_to] + a.shape[1:].as_list())
-
-    xb = tf.nest.map_structure(pad, xb)
-    yb = tf.nest.map_structure(lambda a: None if a is None else pad(a), yb)
-    return xb, yb, pad(weight)
-
-
 #: "auto" padding: the probability that a Poisson batch exceeds it, per batch.
 _PAD_TAIL = 1e-9
 
 
 def safe_pad_to(dataset_size: int, sampling_probability: float, tail: float = _PAD_TAIL) -> int:
-    """The smallest b with P(Binomial(N, q) > b) < ``tail``: a static batch size that a
-    Poisson batch exceeds (and then stops training with an error) with probability below
+    """The smallest b with P(Binomial(N, q) > b) < ``tail``: a padded batch size that a
+    Poisson batch exceeds (and is then padded to a multiple of b) with probability below
     ``tail`` per batch. Depends on N and q only, never on the data."""
     from scipy import stats
 
@@ -188,3 +236,245 @@ def safe_pad_to(dataset_size: int, sampling_probability: float, tail: float = _P
 def expected_steps(dataset_size: int, expected_batch_size: float, epochs: float) -> int:
     """Logical steps in ``epochs`` epochs at expected batch size ``expected_batch_size``."""
     return int(math.ceil(epochs * max(1, round(dataset_size / expected_batch_size))))
+
+
+# ------------------------------------------------------------------ sources and padding
+
+
+class _ArraySource:
+    """Arrays held by reference (a memmap stays on disk): a sample reads only its rows."""
+
+    def __init__(self, x, y, sample_weight):
+        self.data = (x, y, sample_weight)
+        self._arrays = tf.nest.map_structure(lambda a: None if a is None else _as_array(a),
+                                             self.data)
+        leaves = [a for a in tf.nest.flatten(self._arrays[0]) if a is not None]
+        if not leaves:
+            raise ValueError("`x` is empty.")
+        n = len(leaves[0])
+        for other in tf.nest.flatten(self._arrays):
+            if other is not None and len(other) != n:
+                raise ValueError(f"All arrays must have the same length; got {len(other)} and "
+                                 f"{n}.")
+        if n == 0:
+            raise ValueError("`x` has no examples.")
+        self.size = n
+
+    def head(self):
+        return self.data
+
+    def samples(self, steps, q, stream):
+        """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``."""
+        def sample(step):
+            del step
+            u = tf.random.stateless_uniform([self.size], seed=stream.next_seed())
+            return _take_rows(self._arrays, tf.where(u < q)[:, 0])
+
+        return steps.map(sample)
+
+
+def _as_array(a):
+    if isinstance(a, np.ndarray):  # np.memmap included: kept, not read into memory
+        return a
+    if hasattr(a, "to_numpy"):  # pandas
+        return a.to_numpy()
+    return np.asarray(a)
+
+
+def _take_rows(arrays, index):
+    """``np.take(a, index, axis=0)`` of every array, in a ``tf.numpy_function``: the graph
+    holds a reference to the arrays, not their values (no 2 GB GraphDef limit, no copy)."""
+    flat = tf.nest.flatten(arrays)
+    leaves = [a for a in flat if a is not None]
+    strings = [a.dtype.kind in "USO" for a in leaves]
+    dtypes = [tf.string if s else tf.as_dtype(a.dtype) for a, s in zip(leaves, strings)]
+
+    def take(i):
+        rows = [np.asarray(np.take(a, i, axis=0)) for a in leaves]
+        return [_utf8(r) if s else r for r, s in zip(rows, strings)]
+
+    rows = tf.numpy_function(take, [index], dtypes, name="tf_dp_poisson_rows")
+    rows = iter(rows)
+    out = []
+    for a in flat:
+        if a is None:
+            out.append(None)
+            continue
+        t = next(rows)
+        t.set_shape((None,) + a.shape[1:])
+        out.append(t)
+    return tf.nest.pack_sequence_as(arrays, out)
+
+
+def _utf8(rows):
+    """Text rows as UTF-8 bytes (as ``tf.constant`` encodes them; numpy_function would use
+    ASCII)."""
+    encode = np.vectorize(lambda v: v.encode("utf-8") if isinstance(v, str) else v,
+                          otypes=[object])
+    return encode(rows) if rows.size else rows.astype(object)
+
+
+class _DatasetSource:
+    """A ``tf.data.Dataset`` of single examples: a sample is one pass keeping each element
+    with probability q."""
+
+    def __init__(self, dataset, n):
+        for spec in tf.nest.flatten(dataset.element_spec):
+            if not isinstance(spec, tf.TensorSpec):
+                raise ValueError(f"The elements of the dataset `x` must be dense tensors of a "
+                                 f"fixed shape (one example each), got {spec}.")
+        if _yields_batches(dataset):
+            raise ValueError(
+                "The dataset `x` yields batches (its last transformations include batch()): "
+                "PoissonSampler samples each element as one example, so a whole batch would "
+                "be kept or left out together and epsilon would protect batches, not "
+                "examples. Pass the dataset of single examples (before batch(), or after "
+                "unbatch()).")
+        self.data, self.size = dataset, n
+        self._chunk = _chunk_size(dataset.element_spec)
+        self._head = None
+
+    def head(self):
+        if self._head is None:
+            batch = next(iter(self.data.take(_HEAD_ROWS).batch(_HEAD_ROWS)))
+            self._head = tf.nest.map_structure(lambda t: None if t is None else t.numpy(),
+                                               _split(batch))
+        return self._head
+
+    def samples(self, steps, q, stream):
+        """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``: one pass
+        over the source each."""
+        spec = self.data.element_spec
+        passes = steps.flat_map(lambda step: _one_pass(self.data, self.size, q,
+                                                       stream.next_seed(), self._chunk))
+        # map() unpacks a tuple element into arguments: pack it back before splitting.
+        return passes.map(lambda *e: _split(e if isinstance(spec, tuple) else e[0]))
+
+
+def _source_size(dataset, dataset_size):
+    """N of a dataset source: its cardinality, or ``dataset_size`` when TF does not know it."""
+    if dataset_size is not None:
+        dataset_size = _validation.positive_int(dataset_size, "dataset_size")
+    card = int(dataset.cardinality())
+    if card == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("The dataset `x` is infinite (repeat() without a count?): Poisson "
+                         "sampling draws from a data set of N examples; pass the dataset "
+                         "before repeat().")
+    if card == 0:
+        raise ValueError("The dataset `x` has no examples.")
+    if card > 0:
+        if dataset_size is not None and dataset_size != card:
+            raise ValueError(f"`dataset_size` must be the dataset's cardinality ({card}), got "
+                             f"{dataset_size}.")
+        return card
+    if dataset_size is None:
+        raise ValueError(
+            "TensorFlow does not know how many examples the dataset `x` has (after filter(), "
+            "from_generator(), files, ...): pass `dataset_size=N`, the exact number. q * N is "
+            "the denominator of the private mean, so it must be exact; every pass over the "
+            "dataset checks it.")
+    return dataset_size
+
+
+def _yields_batches(dataset):
+    """True if a batch() is among the last single-input transformations of ``dataset`` (not
+    undone by unbatch(); flat_map and interleave make new elements, so the walk stops)."""
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if name in _BATCHING:
+            return True
+        if any(word in name for word in ("Unbatch", "FlatMap", "Interleave")):
+            return False
+        try:
+            inputs = node._inputs()  # tf.data's own lineage
+        except Exception:  # noqa: BLE001 (a source dataset)
+            return False
+        node = inputs[0] if len(inputs) == 1 else None
+    return False
+
+
+def _split(element):
+    """``(x, y, sample_weight)`` of an element, Keras' convention: a tuple of 2 or 3 is
+    ``(x, y[, sample_weight])``, anything else is ``x`` alone."""
+    if isinstance(element, tuple) and 1 <= len(element) <= 3:
+        return tuple(element) + (None,) * (3 - len(element))
+    return element, None, None
+
+
+def _chunk_size(spec) -> int:
+    nbytes = 0
+    for s in tf.nest.flatten(spec):
+        values = 1 if s.shape.rank is None else math.prod(d or 1 for d in s.shape)
+        nbytes += values * (32 if s.dtype == tf.string else s.dtype.size)
+    return int(min(_MAX_CHUNK, max(1, _CHUNK_BYTES // max(1, nbytes))))
+
+
+def _one_pass(source, n, q, seed, chunk):
+    """A dataset of one element: the elements of one pass over ``source`` that are kept,
+    batched (possibly none of them).
+
+    Element i is kept iff ``u_i < q``, u_i the (i mod chunk)-th of ``chunk`` stateless
+    uniforms drawn from ``fold_in(seed, i // chunk)``: independent Bernoulli(q) given the
+    secret seed. The pass must hold exactly ``n`` elements: more fails as soon as the
+    (n+1)-th arrives, fewer at its end.
+    """
+    spec = source.element_spec
+    if any(s.shape.rank is None for s in tf.nest.flatten(spec)):
+        raise ValueError("The elements of the dataset `x` must have a known rank.")
+    # No rows, for the end-of-pass marker and for a pass that keeps nothing.
+    empty = tf.nest.map_structure(
+        lambda s: tf.zeros([0] + [d or 0 for d in s.shape], s.dtype), spec)
+
+    def keep(c, rows):
+        k = tf.shape(tf.nest.flatten(rows)[0])[0]
+        u = tf.random.stateless_uniform([chunk], seed=tf.random.experimental.stateless_fold_in(
+            seed, c))
+        mask = u[:k] < q
+        kept = tf.nest.map_structure(lambda r: tf.boolean_mask(r, mask), rows)
+        return tf.cast(k, tf.int64), kept, False
+
+    def count(total, element):
+        k, kept, end = element
+        total += k
+        checks = [
+            tf.debugging.assert_less_equal(
+                total, tf.constant(n, tf.int64),
+                message=f"tf_dp: the dataset given to PoissonSampler yields more than "
+                        f"`dataset_size` = {n} examples in one pass; q * N would be wrong."),
+            tf.debugging.assert_equal(  # x = the examples of the pass, at its end
+                tf.where(end, total, n), tf.constant(n, tf.int64),
+                message=f"tf_dp: the dataset given to PoissonSampler yielded fewer than "
+                        f"`dataset_size` = {n} examples in one pass; q * N would be wrong.")]
+        with tf.control_dependencies(checks):
+            return total, tf.nest.map_structure(tf.identity, kept)
+
+    marker = tf.data.Dataset.from_tensors((tf.constant(0, tf.int64), empty, True))
+    kept = (source.batch(chunk).enumerate().map(keep).concatenate(marker)
+            .scan(tf.constant(0, tf.int64), count))
+    # At most n rows are kept, so batch(n + 1) waits for the end of the pass (and its check).
+    batch = kept.unbatch().batch(n + 1)
+    return batch.concatenate(tf.data.Dataset.from_tensors(empty)).take(1)
+
+
+def _finish(batch, pad_to, static):
+    """``(x, y[, sample_weight])``; with ``pad_to``, weight-0 rows up to the next multiple of
+    it (at least one ``pad_to``): a sample larger than ``pad_to`` is padded further, never
+    truncated or refused. ``static``: the batch never exceeds ``pad_to`` (pad_to >= N)."""
+    x, y, sw = batch
+    if sw is not None:
+        sw = tf.cast(sw, tf.float32)
+    if pad_to is None:
+        return (x, y) if sw is None else (x, y, sw)
+    m = tf.shape(tf.nest.flatten(x)[0])[0]
+    size = tf.maximum(1, (m + pad_to - 1) // pad_to) * pad_to
+    weight = tf.ones([m], tf.float32) if sw is None else sw
+
+    def pad(a):
+        if a is None:
+            return None
+        zeros = tf.zeros(tf.concat([[size - m], tf.shape(a)[1:]], 0), a.dtype)
+        return tf.ensure_shape(tf.concat([a, zeros], axis=0),
+                               [pad_to if static else None] + a.shape[1:].as_list())
+
+    return tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y), pad(weight)
