@@ -186,7 +186,7 @@ class DPTrainMixin:
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
             steps_per_epoch=None, poisson_sampling: bool = True, dataset_size: int = None,
             sampling_probability: float = None, max_physical_batch_size: int = None,
-            **kwargs):
+            gradient_snr: str = None, **kwargs):
         """Keras ``fit`` with Poisson sampling for array inputs (see the class docstring).
 
         Extra arguments:
@@ -203,6 +203,12 @@ class DPTrainMixin:
             (Opacus' BatchMemoryManager): each logical batch, whatever its realised Poisson
             size, is split into as many micro-batches as needed; noise is still added once
             per logical step. None (default): ``gradient_accumulation_steps`` parts.
+          gradient_snr: None (default), "private" or "exact": logs ``gradient_snr``, each
+            logical step's ``||clipped sum|| / ||noise||`` (Anil et al. 2021; in History the
+            epoch's last step). "private" estimates it from the noised update alone
+            (post-processing, inside the guarantee); "exact" reads the un-noised sum, a
+            statistic of the data outside the guarantee (for public or proxy data). See
+            ``tf_dp.optimizers.dp_optimizer.gradient_snr_of``.
         """
         from tf_dp.data.poisson import PoissonSampler, sampler_of
 
@@ -212,6 +218,15 @@ class DPTrainMixin:
         if getattr(self, "_dp_max_rows", None) != max_physical_batch_size:
             self.train_function = None  # baked into the traced step: retrace on change
         self._dp_max_rows = max_physical_batch_size
+        if gradient_snr not in (None, "private", "exact"):
+            raise ValueError(f"`gradient_snr` must be None, 'private' or 'exact', got "
+                             f"{gradient_snr!r}.")
+        if getattr(self, "_dp_gradient_snr", None) != gradient_snr:
+            self.train_function = None  # baked into the traced step: retrace on change
+        self._dp_gradient_snr = gradient_snr
+        if gradient_snr == "exact":
+            self._dp_caveat(_EXACT_SNR_CAVEAT)
+            warnings.warn(_EXACT_SNR_CAVEAT, UserWarning, stacklevel=2)
 
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
@@ -391,10 +406,14 @@ class DPTrainMixin:
         expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
-        opt.apply_private(grads, variables, expected, sampling_probability=q, carrier=carrier,
-                          extra_gradients=_regularization_gradients(carrier.trainable),
-                          clip_count=count, clip=clip)
+        snr_kind = getattr(self, "_dp_gradient_snr", None)
+        snr = opt.apply_private(grads, variables, expected, sampling_probability=q,
+                                carrier=carrier,
+                                extra_gradients=_regularization_gradients(carrier.trainable),
+                                clip_count=count, clip=clip, gradient_snr=snr_kind)
         logs = self.get_metrics_result()
+        if snr is not None:
+            logs = {**logs, "gradient_snr": snr}
         if opt.adaptive_clipping is not None:
             # The clip the next step uses (post-processing of released values), in History.
             logs = {**logs, "l2_norm_clip": opt.current_clip()}
@@ -467,6 +486,12 @@ class DPTrainMixin:
         self.compile(**config)
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
+
+
+_EXACT_SNR_CAVEAT = (
+    "EXACT_GRADIENT_SNR: fit(gradient_snr='exact') logged the norm of the un-noised clipped "
+    "gradient sum of every step, a statistic of the training data outside epsilon; use "
+    "gradient_snr='private' (estimated from the noised update) for private data.")
 
 
 def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, sampling_probability):

@@ -256,7 +256,7 @@ class DPOptimizerMixin:
 
     def apply_private(self, clipped_sums, variables, expected_batch_size,
                       sampling_probability=None, carrier=None, extra_gradients=None,
-                      clip_count=None, clip=None):
+                      clip_count=None, clip=None, gradient_snr=None):
         """Adds the noise of one logical step, normalises, applies and records the step.
 
         Args:
@@ -278,7 +278,16 @@ class DPOptimizerMixin:
             ``tf_dp.core.clipping.centred_count`` of the logical batch.
           clip: the C the sums were clipped to (default ``current_clip()``); the noise is
             scaled by it.
+          gradient_snr: None, "private" or "exact": also return this step's gradient
+            signal-to-noise ratio (Anil et al. 2021, §5.2.1), ``||sum||/||noise||`` over the
+            privatized coordinates of the global logical batch (``gradient_snr`` below).
+
+        Returns:
+          None, or the gradient SNR (a float32 scalar) when ``gradient_snr`` is given.
         """
+        if gradient_snr not in (None, "private", "exact"):
+            raise ValueError(f"`gradient_snr` must be None, 'private' or 'exact', got "
+                             f"{gradient_snr!r}.")
         q = 1.0 if sampling_probability is None else float(sampling_probability)
         if not 0 < q <= 1:
             raise ValueError(f"`sampling_probability` must be in (0, 1], got "
@@ -307,6 +316,11 @@ class DPOptimizerMixin:
         if carrier is not None:
             noise = [n if m is None else n * tf.cast(m, n.dtype)
                      for n, m in zip(noise, carrier.noise_masks)]
+        snr = None
+        if gradient_snr is not None:
+            masks = (carrier.noise_masks if carrier is not None else [None] * len(noise))
+            snr = gradient_snr_of(gradient_snr, clipped_sums, noise, masks, sigma, clip,
+                                  ctx)
         scale = 1.0 / tf.cast(expected_batch_size, tf.float32)
         grads = [(g + n) * tf.cast(scale, g.dtype) for g, n in zip(clipped_sums, noise)]
         if carrier is not None:
@@ -330,6 +344,7 @@ class DPOptimizerMixin:
         # Recorded once per global step (by the first replica), after the update.
         with tf.control_dependencies([self.iterations]):
             self._dp_ledger.record(self.mechanism(q), count=first_replica)
+        return snr
 
     def _update_clip(self, clip, clip_count, count_stddev, expected_batch_size, seed,
                      first_replica, ctx):
@@ -423,3 +438,40 @@ def _adaptive_clipping(value):
             raise ValueError(f"`adaptive_clipping` config {value!r} is not valid: {err}") from None
     raise ValueError("`adaptive_clipping` must be None or tf_dp.AdaptiveClipping(...), got "
                      f"{value!r}.")
+
+
+def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None):
+    """The gradient signal-to-noise ratio of one logical step (Anil et al., "Large-Scale
+    Differentially Private BERT", 2021, §5.2.1), over the privatized coordinates:
+
+    * "exact": ``||S|| / ||n||``, S the clipped sum of the global logical batch and n the
+      noise actually added. ``||S||`` is computed from the *un-noised* sum: a statistic of the
+      private data that no noise protects (outside the guarantee; for analysis on public or
+      proxy data).
+    * "private": ``sqrt(max(0, ||S + n||^2 - E||n||^2)) / sqrt(E||n||^2)`` with
+      ``E||n||^2 = sigma^2 C^2 d`` (d the noised coordinates): post-processing of the noised
+      update only, so covered by the guarantee; an unbiased estimate of ``||S||^2`` in the
+      numerator, noisy when the SNR is small.
+
+    Both are ``inf`` without noise. Under a distribution strategy the sums are all-reduced
+    first (one more all-reduce of the gradient: enable it for analysis runs).
+    """
+    f64 = lambda t: tf.cast(t, tf.float64)
+    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+    reduce = ((lambda t: ctx.all_reduce(tf.distribute.ReduceOp.SUM, t)) if replicas > 1
+              else (lambda t: t))
+    sq = lambda ts: tf.add_n([tf.reduce_sum(tf.square(f64(t))) for t in ts]) if ts else (
+        tf.constant(0.0, tf.float64))
+    if kind == "exact":
+        signal_sq = sq([reduce(g) for g in clipped_sums])
+        noise_sq = reduce(sq(noise))
+    else:
+        noisy_sq = sq([reduce(g + n) for g, n in zip(clipped_sums, noise)])
+        dims = tf.add_n([f64(tf.size(g)) if m is None
+                         else tf.reduce_sum(f64(tf.ones_like(g)) * f64(m))
+                         for g, m in zip(clipped_sums, masks)])
+        noise_sq = clipping.as_float64(sigma) ** 2 * clipping.as_float64(clip) ** 2 * dims
+        signal_sq = tf.maximum(noisy_sq - noise_sq, 0.0)
+    ratio = tf.where(noise_sq > 0, tf.sqrt(signal_sq) / tf.sqrt(
+        tf.where(noise_sq > 0, noise_sq, 1.0)), tf.constant(float("inf"), tf.float64))
+    return tf.cast(ratio, tf.float32)
