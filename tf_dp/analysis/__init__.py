@@ -7,10 +7,14 @@
   top singular subspaces of the historical update ``W − W0``) and the random-subspace
   contrast (Yu et al., RGP, ICML 2021, §3–4); ``GradientGeometry`` logs them per epoch
   during ``fit``; ``examples/gradient_geometry.py``.
+* ``spectra``: ``StreamingPCA`` (Frequent Directions: top eigenvalues and principal
+  components of a gradient stream in O(ℓ·d) memory); ``GradientSpectrum`` streams gradients
+  along ``fit`` into it and ``ProjectedSGD`` re-trains in the top-k subspace (Li et al.,
+  NeurIPS 2022, §4.2); ``examples/gradient_spectra.py``.
 
 Statistics of raw gradients of private data are not differentially private; docs/analysis.md
 says which numbers are outside the guarantee. The NumPy functions import without TensorFlow;
-``GradientGeometry`` (a Keras callback) loads Keras on first access.
+``GradientGeometry``, ``GradientSpectrum`` and ``ProjectedSGD`` load Keras on first access.
 """
 
 from tf_dp.analysis.geometry import (
@@ -22,6 +26,7 @@ from tf_dp.analysis.geometry import (
     stable_rank,
     subspace_residual,
 )
+from tf_dp.analysis.spectra import StreamingPCA
 from tf_dp.analysis.synthetic import (
     excess_empirical_loss,
     least_squares_loss,
@@ -32,6 +37,9 @@ from tf_dp.analysis.synthetic import (
 
 __all__ = [
     "GradientGeometry",
+    "GradientSpectrum",
+    "ProjectedSGD",
+    "StreamingPCA",
     "excess_empirical_loss",
     "kernel_matrix",
     "least_squares_loss",
@@ -52,4 +60,12 @@ def __getattr__(name):
         from tf_dp.analysis.gradient_geometry import GradientGeometry
 
         return GradientGeometry
+    if name == "GradientSpectrum":
+        from tf_dp.analysis.gradient_spectrum import GradientSpectrum
+
+        return GradientSpectrum
+    if name == "ProjectedSGD":
+        from tf_dp.analysis.projected_sgd import ProjectedSGD
+
+        return ProjectedSGD
     raise AttributeError(f"module 'tf_dp.analysis' has no attribute {name!r}")
