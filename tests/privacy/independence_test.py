@@ -262,6 +262,38 @@ def test_check_before_training_reads_the_first_batch_of_any_input():
         assert not check_before_private_training(_mlp([BatchMean()]), gen(), None, None, XENT)
 
 
+def test_a_small_poisson_batch_never_skips_the_check():
+    """At small q the first Poisson batch often holds 0 or 1 rows. The check must then read
+    the sampler's data, not the batch (a mixing layer trained silently through
+    fit(sampler.dataset()) before), and a batch too small to compare must warn and leave the
+    model unchecked, never mark it as checked."""
+    import tf_dp
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(400, 6)).astype("float32")
+    y = rng.integers(0, 3, size=400)
+
+    def centring_model():
+        inp = keras.Input((6,))
+        h = L.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True))(inp)
+        return tf_dp.keras.make_private(keras.Model(inp, L.Dense(3)(h)))
+
+    sampler = PoissonSampler(x, y, sampling_probability=0.002)
+    for data in (sampler.dataset(), sampler.dataset().map(lambda a, b: (a * 1.0, b))):
+        model = centring_model()
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with pytest.raises(ValueError, match="independ|mix"):
+            model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+    # A dataset of single-example batches: nothing to compare, so a warning and no mark.
+    ones = tf.data.Dataset.from_tensor_slices((X, Y)).batch(1)
+    model = _mlp([BatchMean()])
+    with pytest.warns(UserWarning, match="could not check.*did not run"):
+        assert not check_before_private_training(model, ones, None, None, XENT)
+    with pytest.warns(UserWarning, match="did not run"):
+        assert not check_before_private_training(model, ones, None, None, XENT)  # not marked
+
+
 def test_check_before_training_runs_again_when_the_architecture_changes():
     model = _mlp([L.BatchNormalization(name="bn")])
     model.get_layer("bn").trainable = False

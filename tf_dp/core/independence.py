@@ -107,7 +107,7 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
         raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
     probe = _probe_rows(x, y, sample_weight, num_rows)
     if probe is None:
-        return
+        return False
     xs, ys = probe
     n = _num_rows(xs)
     try:
@@ -115,19 +115,21 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
             model(xs, training=False)  # create the variables before their state is saved
     except Exception as err:  # noqa: BLE001 - the private step will report it properly
         _warn_unchecked(f"the model could not be called on {n} rows ({err})")
-        return
+        return False
     variables = list(model.trainable_variables if variables is None else variables)
     if _low_precision(model):
         rtol = max(rtol, _LOW_PRECISION_RTOL)
     with _preserved_state(model) as replay:
         _Checker(model, per_example_loss, variables, replay, rtol).run(xs, ys, n)
+    return True
 
 
 def check_before_private_training(model: keras.Model, x, y=None, sample_weight=None,
                                   per_example_loss: Callable = None,
                                   variables: Optional[Sequence] = None) -> bool:
     """:func:`check_per_example_independence` on the first rows of training input ``x``, once
-    per model architecture (its layers and their ``trainable`` flags).
+    per model architecture (its layers and their ``trainable`` flags). For a PoissonSampler
+    (or a dataset made by one) the rows are the data's first rows, not a sampled batch.
 
     ``x`` is anything ``fit`` / ``train_on_batch`` accept: arrays or tensors (nested), a
     ``tf_dp.data.PoissonSampler``, a ``tf.data.Dataset`` of batches (its first batch is
@@ -136,7 +138,8 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
 
     Returns:
       True if the check ran (and passed), False if this architecture had already passed it or
-      the input cannot be read ahead (then with a warning; the next call tries again).
+      the input cannot be read ahead or has fewer than two rows to compare (then with a
+      warning; the next call tries again).
 
     Raises:
       ValueError: as :func:`check_per_example_independence`.
@@ -152,7 +155,14 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
                         "consuming it; pass arrays, a PoissonSampler or a tf.data.Dataset",
                         stacklevel=3)
         return False
-    check_per_example_independence(model, *probe, per_example_loss, variables=variables)
+    if not check_per_example_independence(model, *probe, per_example_loss,
+                                          variables=variables):
+        # Fewer than 2 real rows (a small Poisson batch, batches of one), or the model could
+        # not be called: nothing was compared, so the model is NOT marked as checked.
+        _warn_unchecked("the check did not run (fewer than 2 rows with non-zero sample "
+                        "weight to compare, or the model could not be called on them)",
+                        stacklevel=3)
+        return False
     _CHECKED[model] = signature
     return True
 
@@ -169,8 +179,14 @@ def _first_batch(x, y, sample_weight, rows=4 * DEFAULT_NUM_ROWS):
     """(x, y, sample_weight) of at most ``rows`` rows of the first batch of ``x``, or None."""
     from tf_dp.data.poisson import PoissonSampler
 
-    if isinstance(x, PoissonSampler):
-        x, y, sample_weight = x.x, x.y, x.sample_weight
+    from tf_dp.data.poisson import sampler_of
+
+    sampler = x if isinstance(x, PoissonSampler) else (
+        sampler_of(x) if isinstance(x, tf.data.Dataset) else None)
+    if sampler is not None:
+        # The data's first rows, not its first Poisson batch (which may hold fewer than the
+        # two rows the comparison needs).
+        x, y, sample_weight = sampler.x, sampler.y, sampler.sample_weight
     elif isinstance(x, tf.data.Dataset):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(iter(x.take(1))))
     elif isinstance(x, keras.utils.PyDataset):
