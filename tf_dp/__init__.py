@@ -22,7 +22,8 @@ import sys
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("accounting", "core", "data", "datasets", "keras", "layers", "optimizers")
+_SUBMODULES = ("accounting", "core", "data", "datasets", "keras", "layers", "optimizers",
+               "schedules")
 _PUBLIC = {
     "DPSGD": "optimizers", "DPAdam": "optimizers", "DPAdamW": "optimizers",
     "DPSGDJL": "optimizers", "DPAdamJL": "optimizers", "DPAdamWJL": "optimizers",

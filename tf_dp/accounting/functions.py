@@ -105,7 +105,9 @@ def calibrate_noise_multiplier(
     verified to reach the target.
 
     Args (keyword only):
-      sampling_probability, steps, delta, num_projections: as in `compute_epsilon`.
+      sampling_probability, steps, delta, num_projections: as in `compute_epsilon`; or
+        `sampling_probability` and `steps` as equal-length sequences, the phases of a
+        batch-size schedule (`steps[i]` steps at `sampling_probability[i]`, composed).
       target_epsilon: the ε to reach, > 0.
       relative_tolerance: the returned σ is at most (1 + relative_tolerance) times the smallest.
 
@@ -117,14 +119,18 @@ def calibrate_noise_multiplier(
     """
     target = _validation.positive_epsilon(target_epsilon)
     delta = _validation.delta(delta)
-    q = _validation.sampling_probability(sampling_probability)
-    n = _validation.steps(steps)
+    phases = _phases(sampling_probability, steps)
     r = _validation.num_projections(num_projections)
-    if n == 0:
+    if sum(n for _, n in phases) == 0:
         return 0.0
 
     def eps(sigma: float) -> float:
-        return _accountant(sigma, q, n, r).epsilon_bounds(delta).upper
+        acc = PrivacyAccountant()
+        for q, n in phases:
+            if n > 0:
+                acc.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r,
+                         count=n)
+        return acc.epsilon_bounds(delta).upper
 
     lo, hi = _SIGMA_MIN, 1.0
     while eps(hi) > target:
@@ -183,6 +189,19 @@ def compute_max_steps(
         if hi >= max_steps:
             return max_steps if fits(max_steps) else _bisect_steps(fits, lo, max_steps)
     return _bisect_steps(fits, lo, hi)
+
+
+def _phases(sampling_probability, steps):
+    """[(q, steps)]: one phase, or the phases of equal-length sequences."""
+    if isinstance(sampling_probability, (list, tuple)) or isinstance(steps, (list, tuple)):
+        if not (isinstance(sampling_probability, (list, tuple)) and isinstance(steps, (list, tuple))
+                and len(sampling_probability) == len(steps) and steps):
+            raise ValueError("`sampling_probability` and `steps` must both be numbers or "
+                             "both non-empty sequences of the same length (phases), got "
+                             f"{sampling_probability!r} and {steps!r}.")
+        return [(_validation.sampling_probability(q), _validation.steps(n))
+                for q, n in zip(sampling_probability, steps)]
+    return [(_validation.sampling_probability(sampling_probability), _validation.steps(steps))]
 
 
 def _bisect_steps(fits, lo: int, hi: int) -> int:

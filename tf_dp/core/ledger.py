@@ -51,6 +51,14 @@ class StepLedger:
         one_hot = tf.one_hot(self.slot(mechanism), MAX_MECHANISMS, dtype=tf.int64)
         return self._counts.assign_add(one_hot * tf.cast(count, tf.int64))
 
+    def record_one_of(self, mechanisms, index, count=1):
+        """Graph op: adds ``count`` steps of ``mechanisms[index]`` (``index`` a tensor: the
+        phase of a batch-size schedule, known only in the graph; every candidate gets its
+        slot at trace time)."""
+        slots = tf.constant([self.slot(m) for m in mechanisms], tf.int32)
+        one_hot = tf.one_hot(tf.gather(slots, index), MAX_MECHANISMS, dtype=tf.int64)
+        return self._counts.assign_add(one_hot * tf.cast(count, tf.int64))
+
     def drain(self) -> List[Tuple[float, float, Optional[int], int]]:
         """Host side: the (sigma, q, r, count) recorded since the last drain, and resets.
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_dp import _validation
 from tf_dp.core import randomness
+from tf_dp.schedules import PiecewiseBatchSize
 
 # Datasets made by PoissonSampler.dataset(), mapped to their sampler: fit() recognises them
 # (and datasets derived from them by per-batch transformations) and takes q from here, never
@@ -79,7 +80,10 @@ class PoissonSampler:
       y, sample_weight: arrays with N examples (array sources only; a dataset's elements
         carry their own).
       expected_batch_size: expected logical batch size q*N (give this or
-        ``sampling_probability``).
+        ``sampling_probability``), or a batch-size schedule
+        (``tf_dp.schedules.PiecewiseBatchSize``): step t is then sampled at its own
+        q_t = size_t / N and every element is ``(batch, phase)``, the index of the schedule's
+        phase the batch was sampled in (which fit divides and accounts by).
       sampling_probability: q in (0, 1].
       steps_per_epoch: logical steps per epoch; default round(1/q).
       pad_to: optional padded (logical) batch size: batches are padded with weight-0 rows to
@@ -118,6 +122,17 @@ class PoissonSampler:
         if (expected_batch_size is None) == (sampling_probability is None):
             raise ValueError("Give exactly one of `expected_batch_size` and "
                              "`sampling_probability`.")
+        self.schedule = None
+        if isinstance(expected_batch_size, PiecewiseBatchSize):
+            self.schedule = expected_batch_size
+            if pad_to is not None:
+                raise ValueError("`pad_to` is not supported with a batch-size schedule; use "
+                                 "fit(max_physical_batch_size=...) to bound memory.")
+            too_big = [b for b in self.schedule.batch_sizes if b > n]
+            if too_big:
+                raise ValueError(f"`expected_batch_size` schedule has sizes {too_big} above the "
+                                 f"number of examples {n}.")
+            expected_batch_size = self.schedule.batch_sizes[0]
         if sampling_probability is None:
             if not expected_batch_size > 0:
                 raise ValueError(f"`expected_batch_size` must be > 0, got "
@@ -129,6 +144,7 @@ class PoissonSampler:
         elif pad_to is not None:
             pad_to = _validation.positive_int(pad_to, "pad_to")
         self.dataset_size = n
+        #: q (of the first phase, with a schedule).
         self.sampling_probability = float(sampling_probability)
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
         self.pad_to = pad_to
@@ -162,6 +178,18 @@ class PoissonSampler:
         return self._source.head()[2]
 
     @property
+    def phase_probabilities(self) -> tuple:
+        """q of every phase of the schedule (one entry without a schedule)."""
+        if self.schedule is None:
+            return (self.sampling_probability,)
+        return tuple(b / self.dataset_size for b in self.schedule.batch_sizes)
+
+    @property
+    def phase_batch_sizes(self) -> tuple:
+        """q*N of every phase of the schedule (one entry without a schedule)."""
+        return tuple(q * self.dataset_size for q in self.phase_probabilities)
+
+    @property
     def expected_batch_size(self) -> float:
         """q * N: the denominator of the private mean, never the realised size."""
         return self.sampling_probability * self.dataset_size
@@ -178,9 +206,23 @@ class PoissonSampler:
             tf.data.Dataset.range(2**62))
         # One element per step, in order (sequential): with a debugging seed the order of the
         # draws is reproducible.
-        samples = self._source.samples(steps, self.sampling_probability, self._stream)
-        ds = samples.map(lambda x, y, sw: _finish((x, y, sw), pad_to,
-                                                   static=pad_to is not None and pad_to >= n))
+        if self.schedule is None:
+            samples = self._source.samples(steps, lambda step: self.sampling_probability,
+                                           self._stream)
+            ds = samples.map(lambda x, y, sw: _finish((x, y, sw), pad_to,
+                                                       static=pad_to is not None and pad_to >= n))
+        else:
+            boundaries = tf.constant(self.schedule.boundaries or [2**62], tf.int64)
+            qs = tf.constant(self.phase_probabilities, tf.float32)
+            phase_of = lambda step: tf.cast(tf.searchsorted(
+                boundaries, tf.reshape(tf.cast(step, tf.int64), [1]), side="right")[0],
+                tf.int32)
+            # The phase travels with its batch: fit divides and accounts by the q the batch
+            # was actually sampled at, whatever happens to the step count in between.
+            steps = steps.map(phase_of)
+            samples = self._source.samples(steps, lambda phase: tf.gather(qs, phase),
+                                           self._stream, with_step=True)
+            ds = samples.map(lambda x, y, sw, phase: (_finish((x, y, sw), None, False), phase))
         ds = ds.prefetch(2)
         _SAMPLED[ds] = self
         return ds
@@ -263,12 +305,13 @@ class _ArraySource:
     def head(self):
         return self.data
 
-    def samples(self, steps, q, stream):
-        """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``."""
+    def samples(self, steps, q_of, stream, with_step=False):
+        """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``, at rate
+        ``q_of(step)`` (and the step element appended with ``with_step``)."""
         def sample(step):
-            del step
             u = tf.random.stateless_uniform([self.size], seed=stream.next_seed())
-            return _take_rows(self._arrays, tf.where(u < q)[:, 0])
+            rows = _take_rows(self._arrays, tf.where(u < q_of(step))[:, 0])
+            return (*rows, step) if with_step else rows
 
         return steps.map(sample)
 
@@ -341,11 +384,18 @@ class _DatasetSource:
                                                _split(batch))
         return self._head
 
-    def samples(self, steps, q, stream):
+    def samples(self, steps, q_of, stream, with_step=False):
         """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``: one pass
-        over the source each."""
+        over the source each, at rate ``q_of(step)`` (and the step appended with
+        ``with_step``)."""
         spec = self.data.element_spec
-        passes = steps.flat_map(lambda step: _one_pass(self.data, self.size, q,
+        if with_step:
+            passes = steps.flat_map(lambda step: tf.data.Dataset.zip((
+                _one_pass(self.data, self.size, q_of(step), stream.next_seed(), self._chunk),
+                tf.data.Dataset.from_tensors(step))))
+            return passes.map(lambda e, step: (*_split(e if isinstance(spec, tuple) else e),
+                                               step))
+        passes = steps.flat_map(lambda step: _one_pass(self.data, self.size, q_of(step),
                                                        stream.next_seed(), self._chunk))
         # map() unpacks a tuple element into arguments: pack it back before splitting.
         return passes.map(lambda *e: _split(e if isinstance(spec, tuple) else e[0]))

@@ -141,14 +141,49 @@ class PrivacyBudget:
         lines.append("  not covered: " + "; ".join(r["not_covered"]))
         return "\n".join(lines)
 
-    def remaining_steps(self, mechanism):
-        """Steps of ``mechanism`` (sigma, q, r) left within the target (None: no target)."""
+    def remaining_steps(self, mechanism, boundaries=None):
+        """Steps of ``mechanism`` (sigma, q, r) left within the target (None: no target).
+
+        With ``boundaries``, ``mechanism`` is a list, one per phase of a batch-size schedule
+        (``tf_dp.schedules.PiecewiseBatchSize``) whose steps are counted from 0: the steps
+        that the schedule's next steps can take.
+        """
         if self.target_epsilon is None:
             return None
+        if boundaries is not None:
+            return self._remaining_scheduled(mechanism, list(boundaries))
         sigma, q, r = mechanism
         return max_additional_steps(self.accountant, self.target_epsilon, self.delta,
                                     dict(noise_multiplier=sigma, sampling_probability=q,
                                          num_projections=r))
+
+    def _remaining_scheduled(self, mechanisms, boundaries, limit=10**8):
+        from tf_dp.schedules import PiecewiseBatchSize
+
+        schedule = PiecewiseBatchSize(boundaries, list(range(1, len(mechanisms) + 1)))
+
+        def fits(m):
+            acc = type(self.accountant).from_config(self.accountant.get_config())
+            for size, count in schedule.phases(m):
+                sigma, q, r = mechanisms[int(size) - 1]
+                acc.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r,
+                         count=count)
+            return acc.epsilon(self.delta) <= self.target_epsilon
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while hi < limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi >= limit:
+            return limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def no_budget_message(self, mechanism) -> str:
         """Why no step can be taken: one step is already too costly, or the budget is spent."""

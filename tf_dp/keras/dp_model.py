@@ -14,6 +14,7 @@ from tf_dp.core import losses as losses_lib
 from tf_dp.core import carriers, clipping, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.budget import PrivacyBudget
+from tf_dp.schedules import PiecewiseBatchSize
 from tf_dp.keras.privacy_callback import PrivacyCallback
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
@@ -237,6 +238,13 @@ class DPTrainMixin:
             warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
         self._dp_check_model(x, y, sample_weight)
         k = opt.accumulation_steps
+        schedule = batch_size if isinstance(batch_size, PiecewiseBatchSize) else None
+        if schedule is not None:
+            batch_size = None
+            if not _is_array_like(x) or not poisson_sampling:
+                raise ValueError("A `batch_size` schedule needs array inputs with "
+                                 "poisson_sampling=True (or a PoissonSampler built with "
+                                 "expected_batch_size=schedule).")
         sampler = x if isinstance(x, PoissonSampler) else None
         data = None
         if sampler is None and isinstance(x, tf.data.Dataset):
@@ -251,12 +259,20 @@ class DPTrainMixin:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a seeded optimizer already warned
                 sampler = PoissonSampler(x, y, sample_weight=sample_weight,
-                                         expected_batch_size=(batch_size or 32) * k,
+                                         expected_batch_size=(
+                                             schedule.scaled(k) if schedule is not None
+                                             else (batch_size or 32) * k),
                                          seed=opt._next_sampler_seed())
         if sampler is not None:
             if sampler.seed is not None:
                 self._dp_caveat(_SEEDED_CAVEAT)
             q, expected = sampler.sampling_probability, sampler.expected_batch_size
+            if sampler.schedule is not None:
+                if self._distribute_strategy is not None or tf.distribute.has_strategy():
+                    raise ValueError("Batch-size schedules are not supported under a "
+                                     "tf.distribute strategy yet (the phase of a batch cannot "
+                                     "be split across replicas).")
+                q, expected = sampler.phase_probabilities, sampler.phase_batch_sizes
             data = sampler.dataset() if data is None else data
             fit_args = dict(x=data, shuffle=False,
                             steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch)
@@ -280,11 +296,17 @@ class DPTrainMixin:
                             shuffle=shuffle if _is_array_like(x) else False,
                             sample_weight=sample_weight,
                             steps_per_epoch=steps_per_epoch)
-        budget = self._dp_remaining_steps(opt.mechanism(q))
+        scheduled = isinstance(q, tuple)
+        if scheduled:
+            budget = self.privacy_budget.remaining_steps(
+                [opt.mechanism(p) for p in q], boundaries=sampler.schedule.boundaries)
+        else:
+            budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
             # Always a warning, whatever `verbose`: nothing trains and fit returns an empty
             # History, which must not pass unnoticed.
-            warnings.warn(self.privacy_budget.no_budget_message(opt.mechanism(q)), UserWarning,
+            first = opt.mechanism(q[0] if scheduled else q)
+            warnings.warn(self.privacy_budget.no_budget_message(first), UserWarning,
                           stacklevel=2)
             return _empty_history(self)
         if budget is not None:
@@ -297,8 +319,9 @@ class DPTrainMixin:
             fit_args["x"] = _limit_steps(fit_args, budget)
             if not isinstance(fit_args["x"], tf.data.Dataset):
                 raise ValueError("`target_epsilon` needs array, PoissonSampler or tf.data input.")
-            for key in ("y", "sample_weight", "batch_size", "validation_split", "shuffle"):
+            for key in ("y", "sample_weight", "batch_size", "validation_split"):
                 fit_args.pop(key, None)
+            fit_args["shuffle"] = False  # a dataset now (shuffled before, if it was arrays)
         self._dp_set_sampling(expected, q, poisson=poisson)
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
         callbacks = [privacy] + list(callbacks or [])
@@ -375,6 +398,13 @@ class DPTrainMixin:
         sums are added up and the optimizer adds noise once and records the step with the q
         the model was told (q = 1, no amplification, if it was told nothing).
         """
+        expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
+        phase = None
+        if isinstance(q, tuple):
+            # A batch-size schedule: every batch comes with the phase it was sampled in.
+            data, phase = data
+            expected = tf.gather(tf.constant(expected, tf.float32), phase)
+            q = list(q)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         opt = _dp_optimizer_of(self.optimizer)
         if opt is None:
@@ -403,15 +433,17 @@ class DPTrainMixin:
             # An eager custom loop: the same check fit() runs (cached after its first run).
             independence.check_before_private_training(self, x, y, sample_weight,
                                                        self._dp_loss, variables=variables)
-        expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
         if expected is None:
             expected = _global_count(private_step.batch_size_of(x))
         snr_kind = getattr(self, "_dp_gradient_snr", None)
         snr = opt.apply_private(grads, variables, expected, sampling_probability=q,
                                 carrier=carrier,
                                 extra_gradients=_regularization_gradients(carrier.trainable),
-                                clip_count=count, clip=clip, gradient_snr=snr_kind)
+                                clip_count=count, clip=clip, gradient_snr=snr_kind,
+                                phase=phase)
         logs = self.get_metrics_result()
+        if phase is not None:
+            logs = {**logs, "batch_size": expected}  # the progress bar shows the phase's size
         if snr is not None:
             logs = {**logs, "gradient_snr": snr}
         if opt.adaptive_clipping is not None:

@@ -138,14 +138,23 @@ class DPOptimizerMixin:
         epoch; JL strategies are calibrated for the JL mechanism. Pair it with
         ``make_private(model, target_epsilon=...)`` so that a longer run still stops there.
 
+        ``batch_size`` may be a ``tf_dp.schedules.PiecewiseBatchSize`` (as in ``fit``): the
+        phases are composed as the run takes them, with ``steps_per_epoch`` (a keyword,
+        default from the first phase's q, as ``fit``) steps per epoch.
+
         ``kwargs`` are the optimizer's other arguments (learning rate, norm_strategy, ...).
         """
+        from tf_dp.schedules import PiecewiseBatchSize
+
         from tf_dp import accounting
 
         target_epsilon = _validation.positive_epsilon(target_epsilon)
         delta = _validation.delta(delta)
         n = _validation.positive_int(dataset_size, "dataset_size")
-        b = _validation.positive_int(batch_size, "batch_size")
+        steps_per_epoch = kwargs.pop("steps_per_epoch", None)
+        schedule = batch_size if isinstance(batch_size, PiecewiseBatchSize) else None
+        b = (schedule.batch_sizes[0] if schedule is not None
+             else _validation.positive_int(batch_size, "batch_size"))
         k = _validation.positive_int(kwargs.get("gradient_accumulation_steps") or 1,
                                      "gradient_accumulation_steps")
         if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
@@ -154,7 +163,13 @@ class DPOptimizerMixin:
             raise ValueError("`noise_multiplier` is what for_target_epsilon computes; give "
                              "`target_epsilon` or use the constructor.")
         q = min(1.0, b * k / n)
-        steps = int(math.ceil(epochs * max(1, round(1.0 / q))))
+        per_epoch = (max(1, round(1.0 / q)) if steps_per_epoch is None
+                     else _validation.positive_int(steps_per_epoch, "steps_per_epoch"))
+        steps = int(math.ceil(epochs * per_epoch))
+        if schedule is not None:
+            phases = schedule.scaled(k).phases(steps)
+            q = [min(1.0, size / n) for size, _ in phases]
+            steps = [count for _, count in phases]
         if issubclass(cls, JLAlias):
             strategy = norm_strategies.JL(kwargs.get("num_projections", 5))
         else:
@@ -256,7 +271,7 @@ class DPOptimizerMixin:
 
     def apply_private(self, clipped_sums, variables, expected_batch_size,
                       sampling_probability=None, carrier=None, extra_gradients=None,
-                      clip_count=None, clip=None, gradient_snr=None):
+                      clip_count=None, clip=None, gradient_snr=None, phase=None):
         """Adds the noise of one logical step, normalises, applies and records the step.
 
         Args:
@@ -278,6 +293,9 @@ class DPOptimizerMixin:
             ``tf_dp.core.clipping.centred_count`` of the logical batch.
           clip: the C the sums were clipped to (default ``current_clip()``); the noise is
             scaled by it.
+          phase: with a batch-size schedule, ``sampling_probability`` is the sequence of the
+            phases' q (Python numbers) and ``phase`` the index of this step's (an int tensor);
+            the step is recorded at that q.
           gradient_snr: None, "private" or "exact": also return this step's gradient
             signal-to-noise ratio (Anil et al. 2021, §5.2.1), ``||sum||/||noise||`` over the
             privatized coordinates of the global logical batch (``gradient_snr`` below).
@@ -288,10 +306,17 @@ class DPOptimizerMixin:
         if gradient_snr not in (None, "private", "exact"):
             raise ValueError(f"`gradient_snr` must be None, 'private' or 'exact', got "
                              f"{gradient_snr!r}.")
-        q = 1.0 if sampling_probability is None else float(sampling_probability)
-        if not 0 < q <= 1:
-            raise ValueError(f"`sampling_probability` must be in (0, 1], got "
-                             f"{sampling_probability!r}.")
+        if phase is None:
+            qs = [1.0 if sampling_probability is None else float(sampling_probability)]
+        elif isinstance(sampling_probability, (list, tuple)) and sampling_probability:
+            qs = [float(q) for q in sampling_probability]
+        else:
+            raise ValueError("`phase` needs `sampling_probability` as the sequence of the "
+                             f"phases' q, got {sampling_probability!r}.")
+        for q in qs:
+            if not 0 < q <= 1:
+                raise ValueError(f"`sampling_probability` must be in (0, 1], got "
+                                 f"{sampling_probability!r}.")
         ctx = tf.distribute.get_replica_context()
         replica_id = ctx.replica_id_in_sync_group if ctx is not None else 0
         # Keras sums the replicas' gradients: only the first replica adds noise.
@@ -343,7 +368,11 @@ class DPOptimizerMixin:
                               first_replica, ctx)
         # Recorded once per global step (by the first replica), after the update.
         with tf.control_dependencies([self.iterations]):
-            self._dp_ledger.record(self.mechanism(q), count=first_replica)
+            if phase is None:
+                self._dp_ledger.record(self.mechanism(qs[0]), count=first_replica)
+            else:
+                self._dp_ledger.record_one_of([self.mechanism(q) for q in qs], phase,
+                                              count=first_replica)
         return snr
 
     def _update_clip(self, clip, clip_count, count_stddev, expected_batch_size, seed,

@@ -1,0 +1,178 @@
+"""Increasing batch-size schedules (issue 12 part 2; Anil et al. 2021, §5.2.2).
+
+Each step is Poisson-sampled at its phase's q_t (statistical test), divided by q_t N (the
+update of identical examples), recorded at q_t (the report equals the composition of the
+phases), calibrated for the whole schedule, and stopped at a target epsilon.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_dp  # noqa: E402
+from tf_dp.accounting import PrivacyAccountant  # noqa: E402
+from tf_dp.data import PoissonSampler  # noqa: E402
+from tf_dp.schedules import PiecewiseBatchSize  # noqa: E402
+
+
+def test_schedule_phases_and_refusals():
+    s = PiecewiseBatchSize([3, 10], [8, 16, 64])
+    assert [s(t) for t in (0, 2, 3, 9, 10, 99)] == [8, 8, 16, 16, 64, 64]
+    assert s.phases(12) == [(8, 3), (16, 7), (64, 2)]
+    assert s.phases(2) == [(8, 2)]
+    assert s.examples_seen(12) == 8 * 3 + 16 * 7 + 64 * 2
+    assert PiecewiseBatchSize.from_config(s.get_config()) == s
+    for bad, match in [(([3, 3], [1, 2, 3]), "increasing"), (([0], [1, 2]), "boundaries"),
+                       (([3], [1]), "one more"), (([3], [1, -2]), "batch_sizes")]:
+        with pytest.raises(ValueError, match=match):
+            PiecewiseBatchSize(*bad)
+
+
+def test_each_phase_samples_at_its_own_rate():
+    n = 2000
+    x = np.arange(n, dtype="float32").reshape(n, 1)
+    for source in (x, tf.data.Dataset.from_tensor_slices(x)):
+        sampler = PoissonSampler(source, expected_batch_size=PiecewiseBatchSize([25], [20, 200]))
+        assert sampler.phase_probabilities == (0.01, 0.1)
+        sizes = {0: [], 1: []}
+        for t, (batch, phase) in enumerate(sampler.dataset(num_steps=50)):
+            assert int(phase) == (0 if t < 25 else 1)
+            rows = batch[0].numpy()[:, 0] if isinstance(batch, tuple) else batch.numpy()[:, 0]
+            assert len(set(rows)) == len(rows)  # no example twice in a batch
+            sizes[int(phase)].append(len(rows))
+        for phase, q in ((0, 0.01), (1, 0.1)):
+            total = np.sum(sizes[phase])
+            mean, sd = 25 * n * q, np.sqrt(25 * n * q * (1 - q))
+            assert abs(total - mean) < 5.5 * sd, (phase, total, mean)
+    with pytest.raises(ValueError, match="pad_to"):
+        PoissonSampler(x, expected_batch_size=PiecewiseBatchSize([2], [4, 8]), pad_to=16)
+    with pytest.raises(ValueError, match="above the number of examples"):
+        PoissonSampler(x, expected_batch_size=PiecewiseBatchSize([2], [4, 4000]))
+
+
+def _model():
+    keras.utils.set_random_seed(0)  # initialisation only
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False)])
+
+
+class _Record(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.weights, self.sizes = [self.model.get_weights()[0].copy()], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append(self.model.get_weights()[0].copy())
+        self.sizes.append(float(logs["batch_size"]))
+
+
+def test_each_step_is_divided_by_its_phase_expected_size_and_accounted_at_its_q():
+    """Identical examples whose gradient is always clipped: with sigma = 0 an update is
+    lr * m * C / E_t along a fixed direction (m the realised size), so the mean of
+    |update| / (lr C) over a phase's steps is about 1 only if each is divided by E_t."""
+    n, k = 4000, 2
+    x = np.ones((n, 4), "float32")
+    y = np.full((n, 1), 50.0, "float32")
+    model = tf_dp.keras.make_private(_model())
+    lr, clip = 1e-2, 0.01
+    with pytest.warns(UserWarning, match="not private"):
+        opt = tf_dp.DPSGD(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=lr,
+                          gradient_accumulation_steps=k)
+    model.compile(optimizer=opt, loss="mse")
+    record = _Record()
+    schedule = PiecewiseBatchSize([12], [20, 200])  # logical: 40 then 400 (k = 2)
+    with pytest.warns(RuntimeWarning, match="no noise"):
+        model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=24, verbose=0,
+                  callbacks=[record], max_physical_batch_size=64)
+    assert record.sizes == [40.0] * 12 + [400.0] * 12  # what the progress bar shows
+    moves = np.array([np.linalg.norm(b - a) for a, b in zip(record.weights,
+                                                              record.weights[1:])])
+    ratio = moves / (lr * clip)  # = m / E_t
+    for phase in (slice(0, 12), slice(12, 24)):
+        e = 40.0 if phase.start == 0 else 400.0
+        assert abs(ratio[phase].mean() - 1.0) < 5 * np.sqrt(e) / e / np.sqrt(12) + 0.02
+    phases = [(p["sampling_probability"], p["count"]) for p in model.privacy_report()["phases"]]
+    assert phases == [(40 / n, 12), (400 / n, 12)]
+
+
+def test_report_is_the_composition_of_the_phases_and_calibration_reaches_the_target():
+    n = 1000
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    schedule = PiecewiseBatchSize([20, 40], [10, 40, 100])
+    opt = tf_dp.DPSGD.for_target_epsilon(2.0, 1e-5, epochs=2, batch_size=schedule,
+                                         dataset_size=n, l2_norm_clip=1.0, learning_rate=0.01,
+                                         steps_per_epoch=30)
+    sigma = opt.noise_multiplier
+
+    def composed(s):
+        acc = PrivacyAccountant()
+        for size, count in schedule.phases(60):
+            acc.step(noise_multiplier=s, sampling_probability=size / n, count=count)
+        return acc.epsilon(1e-5)
+
+    assert composed(sigma) <= 2.0 < composed(sigma * 0.99)
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=schedule, epochs=2, steps_per_epoch=30, verbose=0)
+    report = model.privacy_report()
+    assert report["steps"] == 60
+    assert report["epsilon"] == pytest.approx(composed(sigma), rel=1e-9)
+    assert report["epsilon"] <= 2.0
+
+
+def test_target_epsilon_stops_a_scheduled_run_within_budget():
+    n = 1000
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    model = tf_dp.keras.make_private(_model(), target_epsilon=2.0)
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    schedule = PiecewiseBatchSize([10], [20, 60])
+    model.fit(x, y, batch_size=schedule, epochs=10, steps_per_epoch=10, verbose=0)
+    report = model.privacy_report()
+
+    def composed(m):
+        acc = PrivacyAccountant()
+        for size, count in schedule.phases(m):
+            acc.step(noise_multiplier=1.0, sampling_probability=size / n, count=count)
+        return acc.epsilon(1e-5)
+
+    steps = report["steps"]
+    assert report["epsilon"] <= 2.0
+    assert 10 < steps < 100  # stopped inside the second phase
+    # Exactly the last affordable step: one more would have exceeded the target.
+    assert composed(steps) <= 2.0 < composed(steps + 1)
+
+
+def test_calibration_over_phases():
+    from tf_dp.accounting import calibrate_noise_multiplier
+
+    one = calibrate_noise_multiplier(sampling_probability=0.01, steps=400, target_epsilon=2.0,
+                                     delta=1e-5)
+    split = calibrate_noise_multiplier(sampling_probability=[0.01, 0.01], steps=[100, 300],
+                                       target_epsilon=2.0, delta=1e-5)
+    assert split == one
+    rising = calibrate_noise_multiplier(sampling_probability=[0.01, 0.04], steps=[200, 200],
+                                        target_epsilon=2.0, delta=1e-5)
+    assert rising > one
+    with pytest.raises(ValueError, match="same length"):
+        calibrate_noise_multiplier(sampling_probability=[0.01, 0.04], steps=[200],
+                                   target_epsilon=2.0, delta=1e-5)
+
+
+def test_a_schedule_needs_arrays_or_a_scheduled_sampler():
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    ds = tf.data.Dataset.from_tensor_slices((np.zeros((8, 4)), np.zeros((8, 1)))).batch(4)
+    with pytest.raises(ValueError, match="schedule needs array inputs"):
+        model.fit(ds, batch_size=PiecewiseBatchSize([2], [2, 4]), dataset_size=8)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
