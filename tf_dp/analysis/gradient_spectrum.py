@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 
 import keras
 import numpy as np
@@ -44,8 +45,9 @@ class GradientSpectrum(keras.callbacks.Callback):
     It is for research on public/proxy data.
 
     Cost: one forward and backward pass on an analysis batch per sampled step, plus the
-    sketch's O(ℓ·d) update; ``every_n_steps`` thins it. Nothing runs unless the callback is
-    passed to ``fit``.
+    sketch's O(ℓ·d) update; ``every_n_steps`` thins it, and ``seconds`` is the wall time
+    spent so far (compare it with the run's). Nothing runs unless the callback is passed to
+    ``fit``.
 
     Args:
         x, y: analysis data (arrays with a leading example axis), scored with the model's
@@ -91,6 +93,7 @@ class GradientSpectrum(keras.callbacks.Callback):
         self._steps = 0
         self._gradient_fn = None
         self._warned = False
+        self.seconds = 0.0  # wall time spent in on_train_batch_end (its cost to training)
 
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None):
@@ -105,7 +108,9 @@ class GradientSpectrum(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
         if self._steps % self.every_n_steps == 0:
+            start = time.perf_counter()
             self.pca.update(self.gradient())
+            self.seconds += time.perf_counter() - start
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or self.pca is None or self.pca.num_vectors == 0:

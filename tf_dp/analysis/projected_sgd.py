@@ -63,7 +63,6 @@ class ProjectedSGD(keras.optimizers.SGD):
                          **kwargs)
         self._basis = basis
         self._variable_paths = variable_paths
-        self._basis_tensor = None
 
     @property
     def basis(self) -> np.ndarray:
@@ -88,9 +87,7 @@ class ProjectedSGD(keras.optimizers.SGD):
             raise ValueError(f"`basis` has {self._basis.shape[0]} rows but the projected "
                              f"variables have {sum(sizes)} entries "
                              f"({[variables[i].path for i in chosen]}).")
-        if self._basis_tensor is None:
-            self._basis_tensor = tf.constant(self._basis)
-        u = self._basis_tensor
+        u = tf.constant(self._basis)  # a graph constant per trace (no state to save)
         flat = tf.concat([tf.reshape(tf.cast(grads[i], u.dtype), [-1]) for i in chosen], 0)
         projected = tf.linalg.matvec(u, tf.linalg.matvec(u, flat, transpose_a=True))
         parts = tf.split(projected, sizes)

@@ -67,11 +67,11 @@ class StreamingPCA:
     def update(self, vectors) -> "StreamingPCA":
         """Adds one vector (shape ``[d]``) or a batch of vectors (``[n, d]``) to the stream."""
         vectors = np.asarray(vectors, dtype=np.float64)
-        if vectors.ndim == 1:
-            vectors = vectors[None, :]
-        if vectors.ndim != 2 or vectors.shape[1] != self.dim:
+        if vectors.ndim not in (1, 2) or vectors.shape[-1] != self.dim:
             raise ValueError(f"`vectors` must have shape [{self.dim}] or [n, {self.dim}], got "
                              f"{list(vectors.shape)}.")
+        if vectors.ndim == 1:
+            vectors = vectors[None, :]
         if not np.all(np.isfinite(vectors)):
             raise ValueError("`vectors` must be finite, got NaN or infinity.")
         self._count += vectors.shape[0]
