@@ -85,6 +85,8 @@ def test_chosen_layers_and_bad_arguments():
         analysis.GradientGeometry(x, y, ranks=0)
     with pytest.raises(ValueError, match="`ranks`"):
         analysis.GradientGeometry(x, y, ranks="a")
+    with pytest.raises(ValueError, match="`random_draws` must be an integer >= 1, got 0"):
+        analysis.GradientGeometry(x, y, random_draws=0)
     with pytest.raises(ValueError, match="`x` and `y`"):
         analysis.GradientGeometry(x, None)
     bad = analysis.GradientGeometry(x, y, layers=["flat"])

@@ -31,6 +31,7 @@ class GradientGeometry(keras.callbacks.Callback):
         residual_history_r<r>/<layer>   = ‖(I − P_L) G (I − P_R)‖_F / ‖G‖_F
                                           L, R: top-r singular vectors of W_t − W_0
         residual_random_r<r>/<layer>    = the same for uniformly random L, R of rank r
+                                          (mean over `random_draws` draws)
 
     ``W_0`` is the kernel when training begins (``on_train_begin``; ``reset_reference`` moves
     it). The values go into the epoch's ``logs``, so ``History``, ``CSVLogger`` and
@@ -53,13 +54,18 @@ class GradientGeometry(keras.callbacks.Callback):
         ranks: the ranks ``r`` of the subspaces (int or sequence of ints ≥ 1); a rank above
             ``min(m, n)`` of a kernel is skipped for that kernel.
         sample_weight: optional per-example weights of the analysis batch.
+        random_draws: random subspace pairs averaged for the contrast (≥ 1).
 
     Reference: Yu, Zhang, Chen, Yin, Liu, "Large Scale Private Learning via Low-rank
     Reparametrization", ICML 2021.
     """
 
-    def __init__(self, x, y, layers=None, ranks=(8,), sample_weight=None):
+    def __init__(self, x, y, layers=None, ranks=(8,), sample_weight=None, random_draws=8):
         super().__init__()
+        if (isinstance(random_draws, bool) or not isinstance(random_draws, numbers.Integral)
+                or random_draws < 1):
+            raise ValueError(f"`random_draws` must be an integer >= 1, got {random_draws!r}.")
+        self.random_draws = int(random_draws)
         if isinstance(ranks, numbers.Integral) and not isinstance(ranks, bool):
             ranks = (ranks,)
         try:
@@ -123,8 +129,9 @@ class GradientGeometry(keras.callbacks.Callback):
                         geometry.projection_residual(g, history, r))
                 else:
                     values[f"residual_history_r{r}/{layer.name}"] = float("nan")
-                values[f"residual_random_r{r}/{layer.name}"] = (
-                    geometry.random_projection_residual(g, r))
+                values[f"residual_random_r{r}/{layer.name}"] = float(np.mean(
+                    [geometry.random_projection_residual(g, r)
+                     for _ in range(self.random_draws)]))
         return values
 
     # ------------------------------------------------------------------ internals
