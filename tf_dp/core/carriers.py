@@ -58,6 +58,9 @@ class GradientCarrier:
 
     def begin_step(self) -> None:
         """Prepares the carriers of a step (before its per-example gradients)."""
+        # An explicit statement: AutoGraph cannot convert a docstring-only body (it warned
+        # "could not transform begin_step" on every trace).
+        return None
 
     def to_trainable(self, grads, variables):
         """Maps noised gradients of ``privatized`` to gradients of ``trainable``."""
