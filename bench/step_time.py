@@ -12,6 +12,7 @@ each in turn, ``--steps`` rounds), so that the load of a shared machine drifts o
 them alike. Steps are traced with an unknown batch dimension, as Poisson-sampled batches are.
 
   python bench/step_time.py [--batch_size=256] [--steps=20] [--models=cnn,bilstm]
+  python bench/step_time.py --configs=nonprivate,dp_auto,dp_auto_snr,dp_auto_snr_exact
 """
 
 import os
@@ -31,7 +32,8 @@ flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_integer("steps", 20, "Timed steps per configuration (after 3 warm-up steps).")
 flags.DEFINE_list("models", ["cnn", "bilstm"], "Models to benchmark.")
 flags.DEFINE_list("configs", ["nonprivate", "dp_auto", "dp_vmap", "jl1", "jl3", "jl5"],
-                  "Configurations: nonprivate, dp_auto, dp_vmap, jl<r>.")
+                  "Configurations: nonprivate, dp_auto, dp_vmap, jl<r>, dp_auto_snr (exact "
+                  "norms with fit(gradient_snr='private')'s per-step SNR), dp_auto_snr_exact.")
 
 
 def cnn():
@@ -77,6 +79,9 @@ def compiled_step(name, config, batch):
     else:
         model = tf_dp.keras.make_private(model)
         opt = tf_dp.DPAdam(norm_strategy="vmap" if config == "dp_vmap" else "auto", **dp)
+    if config.startswith("dp_auto_snr"):
+        # What fit(gradient_snr=...) sets (the step is traced directly here, without fit).
+        model._dp_gradient_snr = "exact" if config.endswith("exact") else "private"
     model.compile(optimizer=opt, loss=loss, jit_compile=False)
     x, y = data(name, batch, np.random.default_rng(0))
     x, y = tf.constant(x), tf.constant(y)
