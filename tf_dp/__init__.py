@@ -13,8 +13,8 @@ access, so that ``import tf_dp.accounting`` never needs TensorFlow:
 * ``PoissonSampler`` (``tf_dp.data``), ``PrivacyAccountant`` and ``compute_epsilon``
   (``tf_dp.accounting``).
 
-Subpackages: ``accounting``, ``core``, ``data``, ``datasets``, ``keras``, ``layers``,
-``optimizers``. docs/design.md says where each part lives.
+Subpackages: ``accounting``, ``analysis``, ``core``, ``data``, ``datasets``, ``keras``,
+``layers``, ``optimizers``. docs/design.md says where each part lives.
 """
 
 import importlib
@@ -22,8 +22,8 @@ import sys
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("accounting", "core", "data", "datasets", "keras", "layers", "optimizers",
-               "schedules")
+_SUBMODULES = ("accounting", "analysis", "core", "data", "datasets", "keras", "layers",
+               "optimizers", "schedules")
 _PUBLIC = {
     "DPSGD": "optimizers", "DPAdam": "optimizers", "DPAdamW": "optimizers",
     "DPSGDJL": "optimizers", "DPAdamJL": "optimizers", "DPAdamWJL": "optimizers",
