@@ -97,5 +97,18 @@ def test_bad_inputs_name_the_argument():
         analysis.subspace_residual(g, np.ones((3, 1)), np.ones((1, 3)))
 
 
+def test_the_numpy_tools_import_without_tensorflow():
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, tf_dp\n"
+            "assert tf_dp.analysis.stable_rank([[2.0, 0.0], [0.0, 1.0]]) == 1.25\n"
+            "assert 'tensorflow' not in sys.modules, 'tf_dp.analysis loaded TensorFlow'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
