@@ -60,7 +60,7 @@ class GradientSpectrum(keras.callbacks.Callback):
             each pass; None: all of ``x`` every time.
         k_logged: the k values of the per-epoch ``gradient_spectrum_top<k>`` logs.
 
-    Reference: Li, Zhang, Liu, Hashimoto, Kulkarni, Talwar, Jin, "When Does Differentially
+    Reference: Li, Liu, Hashimoto, Inan, Kulkarni, Lee, Thakurta, "When Does Differentially
     Private Learning Not Suffer in High Dimensions?", NeurIPS 2022, §4.2.
     """
 

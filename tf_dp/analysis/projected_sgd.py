@@ -37,7 +37,7 @@ class ProjectedSGD(keras.optimizers.SGD):
             optimizer updates, in the order it receives them.
         learning_rate, momentum, nesterov, **kwargs: as for ``keras.optimizers.SGD``.
 
-    Reference: Li, Zhang, Liu, Hashimoto, Kulkarni, Talwar, Jin, "When Does Differentially
+    Reference: Li, Liu, Hashimoto, Inan, Kulkarni, Lee, Thakurta, "When Does Differentially
     Private Learning Not Suffer in High Dimensions?", NeurIPS 2022, §4.2.
     """
 
