@@ -13,7 +13,7 @@ access, so that ``import tf_dp.accounting`` never needs TensorFlow:
 * ``PoissonSampler`` (``tf_dp.data``), ``PrivacyAccountant`` and ``compute_epsilon``
   (``tf_dp.accounting``).
 
-Subpackages: ``accounting``, ``analysis``, ``core``, ``data``, ``datasets``, ``keras``,
+Subpackages: ``accounting``, ``analysis``, ``audit``, ``core``, ``data``, ``datasets``, ``keras``,
 ``layers``, ``optimizers``. docs/design.md says where each part lives.
 """
 
@@ -22,7 +22,7 @@ import sys
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("accounting", "analysis", "core", "data", "datasets", "keras", "layers",
+_SUBMODULES = ("accounting", "analysis", "audit", "core", "data", "datasets", "keras", "layers",
                "optimizers", "schedules")
 _PUBLIC = {
     "DPSGD": "optimizers", "DPAdam": "optimizers", "DPAdamW": "optimizers",
