@@ -1,0 +1,49 @@
+"""Empirical privacy auditing: statistical lower bounds on the ε a training run spends.
+
+The accountant proves an upper bound for the algorithm on paper; an audit turns a run into a
+lower bound that holds with a stated confidence. A lower bound above the reported ε means
+the implementation (or its accounting) is broken.
+
+* ``bounds`` (NumPy/SciPy, no TensorFlow): the one-run bound of Steinke, Nasr and Jagielski
+  (NeurIPS 2023) from canary guesses, the (TPR, FPR) bound with Clopper–Pearson intervals,
+  ROC tools.
+* ``canaries`` (TensorFlow, loaded on first access): the white-box one-run audit of a tf_dp
+  optimizer with Dirac gradient canaries, trained by tf_dp's own ``fit``.
+
+docs/audit.md has the results and the cost.
+"""
+
+import importlib
+
+from tf_dp.audit.bounds import (
+    clopper_pearson,
+    membership_epsilon_lower_bound,
+    one_run_epsilon_lower_bound,
+    one_run_from_scores,
+    one_run_p_value,
+    roc_auc,
+    roc_curve,
+    scores_epsilon_lower_bound,
+    tpr_at_fpr,
+)
+
+_LAZY = {}
+
+__all__ = [
+    "clopper_pearson",
+    "membership_epsilon_lower_bound",
+    "one_run_epsilon_lower_bound",
+    "one_run_from_scores",
+    "one_run_p_value",
+    "roc_auc",
+    "roc_curve",
+    "scores_epsilon_lower_bound",
+    "tpr_at_fpr",
+    *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"tf_dp.audit.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'tf_dp.audit' has no attribute {name!r}")
