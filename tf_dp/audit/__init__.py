@@ -27,7 +27,12 @@ from tf_dp.audit.bounds import (
     tpr_at_fpr,
 )
 
-_LAZY = {}
+_LAZY = {
+    "AuditResult": "canaries",
+    "SCORERS": "canaries",
+    "canary_scores": "canaries",
+    "gradient_canary_audit": "canaries",
+}
 
 __all__ = [
     "clopper_pearson",
