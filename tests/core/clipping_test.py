@@ -110,6 +110,11 @@ def test_per_layer_contribution_within_clip_float32_adversarial():
         assert norm <= 1.0 * (1 + 3 * 2.0**-24), (i, norm)
 
 
+class _Var:
+    def __init__(self, path):
+        self.path, self.shape = path, (2,)
+
+
 def test_per_layer_refusals():
     model = _model()
     v = model.trainable_variables
@@ -118,6 +123,13 @@ def test_per_layer_refusals():
     with pytest.raises(ValueError, match="unknown"):
         clipping.per_layer_spec({"first": 1.0, "second": 1.0, "third": 1.0, "nope": 1.0}, v,
                                 1.0)
+    # Names match the end of a layer's path (a nested layer keeps its short name)...
+    spec = clipping.per_layer_spec({"first": 1.0, "second": 1.0, "third": 2.0}, v, 1.0)
+    assert spec.shares == (0.25, 0.25, 0.5)
+    # ... and must match one layer only.
+    with pytest.raises(ValueError, match="match several layers"):
+        clipping.per_layer_spec({"d": 1.0, "first": 1.0, "second": 1.0, "third": 1.0},
+                                [_Var("a/d/kernel"), _Var("b/d/kernel")], 1.0)
     with pytest.raises(ValueError, match="weight of 'second'"):
         clipping.per_layer_spec({"first": 1.0, "second": 0.0, "third": 1.0}, v, 1.0)
     with pytest.raises(ValueError, match="per_layer_clipping"):

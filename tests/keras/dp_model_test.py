@@ -814,6 +814,29 @@ def test_models_not_built_yet_train(kind, optimizer):
     assert model.accountant.steps == before + 1
 
 
+def test_a_model_named_with_an_underscore_is_checked_and_leaves_no_name_scope():
+    """Keras cannot open a root graph name scope for a model named "_..." (a class
+    "_UnbuiltMLP"): plain Keras fails to train it and leaves the scope on its stack, which
+    skipped the independence check (a warning) and prefixed every later variable path. The
+    private step and the check run under scopes of their own."""
+    import warnings
+
+    from keras.src.backend.common import global_state
+
+    x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, size=32)
+    for model in (_UnbuiltMLP(), make_private(_PlainMLP())):
+        model.compile(optimizer=DPSGD(1.0, 1.0, learning_rate=0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*could not check")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert not global_state.get_global_attribute("name_scope_stack")
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    assert layer.kernel.path == f"{layer.name}/kernel"
+
+
 def test_compile_then_make_private_keeps_the_compile_arguments():
     x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
     y = np.random.default_rng(1).integers(0, 3, size=32)

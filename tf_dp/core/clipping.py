@@ -174,7 +174,8 @@ def per_layer_spec(split, variables, clip) -> ClipSpec:
 
     ``split``: "equal" (every group the same share), "dimension" (shares proportional to
     the group's number of weights) or a dict {layer name: positive weight} naming every
-    group (shares are the weights normalised to sum 1).
+    group (shares are the weights normalised to sum 1); a name matches the layer whose
+    variable path ends with it (so "dense" for "model/dense"), and must match exactly one.
     """
     keys = []
     groups = {}
@@ -190,18 +191,27 @@ def per_layer_spec(split, variables, clip) -> ClipSpec:
         weights = [float(sum(int(math.prod(variables[i].shape)) for i in groups[k]))
                    for k in keys]
     elif isinstance(split, dict):
-        unknown = sorted(set(split) - set(keys))
-        missing = [k for k in keys if k not in split]
+        # A name matches a group whose path is it or ends with "/" + it (a layer's name,
+        # whatever models or scopes hold the layer); it must match exactly one group.
+        matches = {name: [k for k in keys if k == name or k.endswith("/" + name)]
+                   for name in split}
+        ambiguous = {name: m for name, m in matches.items() if len(m) > 1}
+        if ambiguous:
+            raise ValueError(f"`per_layer_clipping` names match several layers: {ambiguous}; "
+                             "use a longer part of their paths.")
+        owner = {m[0]: name for name, m in matches.items() if m}
+        unknown = sorted(name for name, m in matches.items() if not m)
+        missing = [k for k in keys if k not in owner]
         if unknown or missing:
             raise ValueError(f"`per_layer_clipping` must name every privatized layer: missing "
                              f"{missing}, unknown {unknown} (layers: {keys}).")
         weights = []
         for k in keys:
-            w = split[k]
+            w = split[owner[k]]
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not w > 0 \
                     or math.isinf(w):
-                raise ValueError(f"`per_layer_clipping` weight of {k!r} must be a finite "
-                                 f"number > 0, got {w!r}.")
+                raise ValueError(f"`per_layer_clipping` weight of {owner[k]!r} must be a "
+                                 f"finite number > 0, got {w!r}.")
             weights.append(float(w))
     else:
         raise ValueError("`per_layer_clipping` must be None, 'equal', 'dimension' or a dict "

@@ -295,7 +295,10 @@ class _Checker:
         the gradient of ``sum_i coef_i l_i``."""
         with tf.GradientTape() as tape:
             tape.watch(self.handles)
-            y_pred = self.model(xs, training=True)
+            # Under an outer name scope: a model whose name starts with "_" is not a valid
+            # *root* scope in a graph, and Keras would leave its scope on its stack.
+            with tf.name_scope("tf_dp_independence_check"):
+                y_pred = self.model(xs, training=True)
             losses = self.loss(ys, y_pred, None)
             objective = tf.reduce_sum(losses * tf.cast(coef, losses.dtype))
         grads = tape.gradient(objective, self.handles,

@@ -391,6 +391,14 @@ class DPTrainMixin:
     # ------------------------------------------------------------------ the private step
 
     def train_step(self, data):
+        """One logical private step on ``data`` (a logical batch): see ``_dp_train_step``."""
+        # Under a name scope of its own: a model named "_..." (a class "_MyModel") is not a
+        # valid *root* name scope in a graph; Keras then fails and leaves its scope on its
+        # global stack, prefixing every later variable path.
+        with tf.name_scope("tf_dp_private_step"):
+            return self._dp_train_step(data)
+
+    def _dp_train_step(self, data):
         """One logical private step on ``data`` (a logical batch).
 
         With ``gradient_accumulation_steps = k`` the batch is processed as k micro-batches in
