@@ -9,6 +9,8 @@ the implementation (or its accounting) is broken.
   ROC tools.
 * ``canaries`` (TensorFlow, loaded on first access): the white-box one-run audit of a tf_dp
   optimizer with Dirac gradient canaries, trained by tf_dp's own ``fit``.
+* ``membership``: membership-inference reports (AUC, TPR at low FPR, ε bound, log-log ROC),
+  loss and offline-LiRA scores, and the one-run audit with mislabeled input canaries.
 
 docs/audit.md has the results and the cost.
 """
@@ -32,6 +34,12 @@ _LAZY = {
     "SCORERS": "canaries",
     "canary_scores": "canaries",
     "gradient_canary_audit": "canaries",
+    "confidence_logits": "membership",
+    "input_canary_audit": "membership",
+    "lira_offline_scores": "membership",
+    "loss_scores": "membership",
+    "membership_report": "membership",
+    "plot_roc": "membership",
 }
 
 __all__ = [

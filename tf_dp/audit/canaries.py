@@ -25,10 +25,10 @@ Scorers (higher = more likely included), functions of the released updates only:
   updates* (a robust scale of all canary coordinates): whatever σ the code really used,
   this is close to the most powerful test, so a too-small noise shows.
 * ``"repeated_noise"``: minus the number of consecutive steps whose updates of the
-  coordinate agree to within ``1e-4`` of a clipped canary. Fresh noise agrees only by rare accident, so for
-  a correct optimizer every score ties (and ties are broken at random); noise replayed at
-  step t makes an absent canary's two updates agree exactly, while an included canary
-  sampled in only one of the two breaks the agreement.
+  coordinate agree to within ``1e-4`` of a clipped canary. Fresh noise agrees only by rare
+  accident, so for a correct optimizer the scores (almost) tie, ties broken at random;
+  noise replayed at step t makes an absent canary's two updates agree exactly, while an
+  included canary sampled in only one of the two breaks the agreement.
 
 The guesses are chosen after seeing the scores, so ``one_run_from_scores`` applies a
 Bonferroni correction over every (scorer, number of guesses) pair tried.
@@ -277,10 +277,12 @@ def gradient_canary_audit(optimizer, num_canaries: int = 1000, expected_batch_si
                 m, out["num_guesses"], out["num_correct"], delta, level)
     best_name = max(tried, key=lambda k: tried[k]["epsilon_lower_bound"])
     best = tried[best_name]
+    epsilon = float(model.epsilon())
     return AuditResult(
         epsilon_lower_bound=best["epsilon_lower_bound"],
-        epsilon=float(model.epsilon()),
-        epsilon_exact_clipping=float(model.epsilon(exact_clipping=True)),
+        epsilon=epsilon,
+        epsilon_exact_clipping=(float(model.epsilon(exact_clipping=True))
+                                if optimizer.num_projections else epsilon),
         delta=delta, confidence=confidence, num_canaries=m, num_included=int(included.sum()),
         steps=steps, sampling_probability=q, noise_multiplier=float(optimizer.mechanism(q)[0]),
         l2_norm_clip=clip, scorer=best_name, num_guesses=best["num_guesses"],
