@@ -103,6 +103,23 @@ def test_jl_steps_are_recorded_with_their_projections(caplog):
         assert "exact clipping at the same sigma" in caplog.text
 
 
+def test_exact_clipping_epsilon_counts_every_step():
+    """epsilon(exact_clipping=True) is what all the steps would cost with exact norms: equal
+    to epsilon() for an exact run (it was 0), and for exact steps followed by JL steps both
+    phases at r = None (it counted only the JL ones)."""
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0), loss="mse")
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    assert model.epsilon(exact_clipping=True) == pytest.approx(model.epsilon(), rel=1e-9)
+    model.compile(optimizer=tf_dp.DPSGDJL(1.0, 1.0, num_projections=20), loss="mse")
+    model.fit(x, y, batch_size=40, epochs=1, verbose=0)
+    both = compute_epsilon(noise_multiplier=1.0, sampling_probability=0.1, steps=20,
+                           delta=1e-5)
+    assert model.epsilon(exact_clipping=True) == pytest.approx(both, rel=1e-6)
+    assert model.epsilon() > both
+
+
 def test_make_private_rejects_bad_budget_arguments():
     with pytest.raises(ValueError, match="`delta`"):
         _model(delta=0.0)

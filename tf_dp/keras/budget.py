@@ -63,6 +63,17 @@ class PrivacyBudget:
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,
                                                     sampling_probability=q, count=count)
 
+    def _exact_counterpart(self):
+        """Every step accounted so far as exact clipping would have cost it (JL steps with
+        r dropped, exact steps as they are)."""
+        from tf_dp.accounting import PrivacyAccountant
+
+        acc = PrivacyAccountant()
+        for p in self.accountant.phases:
+            acc.step(noise_multiplier=p.noise_multiplier,
+                     sampling_probability=p.sampling_probability, count=p.count)
+        return acc
+
     def caveat(self, text: str) -> None:
         self.caveats.add(text)
 
@@ -70,12 +81,12 @@ class PrivacyBudget:
 
     def epsilon(self, delta: float = None, exact_clipping: bool = False) -> float:
         """Epsilon at ``delta`` (default: the budget's delta); with ``exact_clipping``, what
-        the JL steps would have cost with exact norms. When the accountant cannot reach its
+        all the steps would have cost with exact norms (the JL ones at the same sigma, q). When the accountant cannot reach its
         stated accuracy (very small JL r), its valid but looser upper bound, with a warning."""
         from tf_dp.accounting import AccuracyError
 
         delta = self.delta if delta is None else delta
-        accountant = self.exact_clipping_accountant if exact_clipping else self.accountant
+        accountant = self._exact_counterpart() if exact_clipping else self.accountant
         try:
             return accountant.epsilon(delta)
         except AccuracyError as err:
