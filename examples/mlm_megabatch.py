@@ -203,11 +203,15 @@ def masked_lm_loss(labels, logits):
         tf.reduce_sum(selected, axis=1), 1.0)
 
 
-def mlm_accuracy(model, inputs, labels) -> float:
-    """Fraction of the selected held-out tokens predicted exactly."""
-    predicted = np.argmax(model.predict(list(inputs), batch_size=512, verbose=0), axis=-1)
+def mlm_metrics(model, inputs, labels) -> tuple:
+    """(accuracy, cross-entropy) over the selected held-out tokens."""
+    logits = model.predict(list(inputs), batch_size=512, verbose=0)
     selected = labels >= 0
-    return float(np.mean(predicted[selected] == labels[selected]))
+    logits, targets = logits[selected].astype("float64"), labels[selected]
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    loss = -np.mean(log_probs[np.arange(targets.size), targets])
+    return float(np.mean(np.argmax(logits, axis=-1) == targets)), float(loss)
 
 
 class StepLog(keras.callbacks.Callback):
@@ -226,7 +230,7 @@ class StepLog(keras.callbacks.Callback):
             self.batch_sizes.append(float(logs["batch_size"]))
         step = batch + 1
         if step % self.eval_every == 0:
-            self.accuracy.append((step, mlm_accuracy(self.model, *self.test)))
+            self.accuracy.append((step, mlm_metrics(self.model, *self.test)[0]))
 
 
 # ----------------------------------------------------------------------------- runs
@@ -283,13 +287,13 @@ def run(config, train, test, vocab_size):
                 .shuffle(n, seed=FLAGS.seed).batch(batch))
         model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0, callbacks=[log])
         sigma, epsilon = 0.0, math.inf
-    accuracy = mlm_accuracy(model, *test)
+    accuracy, loss = mlm_metrics(model, *test)
     if not log.accuracy or log.accuracy[-1][0] != FLAGS.steps:
         log.accuracy.append((FLAGS.steps, accuracy))
     return {
         "config": config, "batch": batch, "sigma": sigma, "epsilon": epsilon,
         "weight_decay": weight_decay, "examples": examples_seen(batch, FLAGS.steps),
-        "accuracy": accuracy, "snr": np.array(log.snr), "batch_sizes": log.batch_sizes,
+        "accuracy": accuracy, "loss": loss, "snr": np.array(log.snr), "batch_sizes": log.batch_sizes,
         "accuracy_curve": log.accuracy, "seconds": time.time() - start,
     }
 
@@ -323,16 +327,16 @@ def snr_summary(snr) -> str:
 def print_table(results, baseline):
     print()
     print(f"| configuration | sigma | weight decay | examples seen | held-out MLM accuracy | "
-          f"epsilon (delta={FLAGS.delta:g}) | private SNR, median first / last quarter | "
+          f"held-out MLM loss | epsilon (delta={FLAGS.delta:g}) | private SNR, median first / last quarter | "
           f"seconds |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         eps = "inf (non-private)" if math.isinf(r["epsilon"]) else f"{r['epsilon']:.2f}"
         sigma = "-" if r["sigma"] == 0 else f"{r['sigma']:.3f}"
         print(f"| {label(r)} | {sigma} | {r['weight_decay']:g} | {r['examples']:,.0f} | "
-              f"{r['accuracy']:.4f} | {eps} | {snr_summary(r['snr'])} | {r['seconds']:.0f} |")
-    print(f"\nmost frequent training token predicted everywhere: held-out accuracy "
-          f"{baseline:.4f}", flush=True)
+              f"{r['accuracy']:.4f} | {r['loss']:.3f} | {eps} | {snr_summary(r['snr'])} | {r['seconds']:.0f} |")
+    print(f"\nunigram reference (the training tokens' frequencies, no context): held-out "
+          f"accuracy {baseline[0]:.4f}, loss {baseline[1]:.3f}", flush=True)
 
 
 def moving_average(values, window):
@@ -407,7 +411,10 @@ def main(argv):
         batch_of(c)  # bad names fail before any training
     train, test, vocab_size = load_data()
     counts = np.bincount(train[1][train[1] >= 0], minlength=vocab_size)
-    baseline = float(np.mean(test[1][test[1] >= 0] == np.argmax(counts)))
+    targets = test[1][test[1] >= 0]
+    frequencies = (counts + 1) / (counts + 1).sum()  # add-one smoothing
+    baseline = (float(np.mean(targets == np.argmax(counts))),
+                float(-np.mean(np.log(frequencies[targets]))))
     print("note: the vocabulary was adapted on the training snippets without noise: it is "
           "outside the epsilon below (a vocabulary from public text would be covered).")
     print(f"rotten_tomatoes MLM: {len(train[1])} training / {len(test[1])} held-out snippets, "
@@ -422,7 +429,7 @@ def main(argv):
         results.append(r)
         eps = "inf" if math.isinf(r["epsilon"]) else f"{r['epsilon']:.3f}"
         print(f"{label(r)}: sigma {r['sigma']:.3f}  held-out MLM accuracy "
-              f"{r['accuracy']:.4f}  epsilon {eps}  {r['seconds']:.0f} s", flush=True)
+              f"{r['accuracy']:.4f}  loss {r['loss']:.3f}  epsilon {eps}  {r['seconds']:.0f} s", flush=True)
     print_table(results, baseline)
     for path in plot(results, output_dir):
         print(f"wrote {path}")
