@@ -657,5 +657,28 @@ def test_padding_rows_are_inert_in_training(kind):
     assert any(np.any(np.abs(a - b) > 1e-3) for a, b in zip(w0, init))
 
 
+def test_a_list_of_inputs_is_sampled_and_trains_a_multi_input_model():
+    """Keras takes a list of arrays for a multi-input model; tf.data would stack a list of
+    tensors into one, so the sampler carries it as a tuple (found by the MLM example)."""
+    import keras
+
+    import tf_dp
+
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(100, 3)).astype("float32")
+    b = rng.normal(size=(100, 2)).astype("float32")
+    y = rng.integers(0, 2, size=100)
+    batch = next(iter(PoissonSampler([a, b], y, expected_batch_size=30).dataset(num_steps=1)))
+    (xa, xb), yb = batch[0], batch[1]
+    assert xa.shape[1:] == (3,) and xb.shape[1:] == (2,) and len(xa) == len(xb) == len(yb)
+    ia, ib = keras.Input((3,)), keras.Input((2,))
+    out = keras.layers.Dense(2)(keras.layers.Concatenate()([ia, ib]))
+    model = tf_dp.keras.make_private(keras.Model([ia, ib], out))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit([a, b], y, batch_size=20, epochs=1, verbose=0)
+    assert model.privacy_report()["steps"] == 5
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

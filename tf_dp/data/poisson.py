@@ -288,8 +288,10 @@ class _ArraySource:
 
     def __init__(self, x, y, sample_weight):
         self.data = (x, y, sample_weight)
+        # tf.data would stack a Python list of tensors into one tensor: a list of inputs (a
+        # multi-input model, as Keras accepts) travels as a tuple.
         self._arrays = tf.nest.map_structure(lambda a: None if a is None else _as_array(a),
-                                             self.data)
+                                             _lists_to_tuples(self.data))
         leaves = [a for a in tf.nest.flatten(self._arrays[0]) if a is not None]
         if not leaves:
             raise ValueError("`x` is empty.")
@@ -314,6 +316,16 @@ class _ArraySource:
             return (*rows, step) if with_step else rows
 
         return steps.map(sample)
+
+
+def _lists_to_tuples(structure):
+    if isinstance(structure, list):
+        return tuple(_lists_to_tuples(s) for s in structure)
+    if isinstance(structure, tuple) and not hasattr(structure, "_fields"):
+        return tuple(_lists_to_tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_to_tuples(v) for k, v in structure.items()}
+    return structure
 
 
 def _as_array(a):
