@@ -181,14 +181,7 @@ def compute_max_steps(
         acc = _accountant(noise_multiplier, sampling_probability, n, num_projections)
         return acc.epsilon_bounds(delta).upper <= target
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi >= max_steps:
-            return max_steps if fits(max_steps) else _bisect_steps(fits, lo, max_steps)
-    return _bisect_steps(fits, lo, hi)
+    return largest_fitting(fits, max_steps)
 
 
 def _phases(sampling_probability, steps):
@@ -202,6 +195,20 @@ def _phases(sampling_probability, steps):
         return [(_validation.sampling_probability(q), _validation.steps(n))
                 for q, n in zip(sampling_probability, steps)]
     return [(_validation.sampling_probability(sampling_probability), _validation.steps(steps))]
+
+
+def largest_fitting(fits, limit: int) -> int:
+    """The largest n in [0, limit] with ``fits(n)``, for ``fits`` true up to some n and false
+    after (epsilon grows with steps): 0 if not even ``fits(1)``, ``limit`` if ``fits(limit)``.
+    Exponential search, then bisection: O(log n) calls."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi >= limit:
+            return limit if fits(limit) else _bisect_steps(fits, lo, limit)
+    return _bisect_steps(fits, lo, hi)
 
 
 def _bisect_steps(fits, lo: int, hi: int) -> int:

@@ -169,6 +169,7 @@ class PrivacyBudget:
                                          num_projections=r))
 
     def _remaining_scheduled(self, mechanisms, boundaries, limit=10**8):
+        from tf_dp.accounting.functions import largest_fitting
         from tf_dp.schedules import PiecewiseBatchSize
 
         schedule = PiecewiseBatchSize(boundaries, list(range(1, len(mechanisms) + 1)))
@@ -181,20 +182,7 @@ class PrivacyBudget:
                          count=count)
             return acc.epsilon(self.delta) <= self.target_epsilon
 
-        if not fits(1):
-            return 0
-        lo, hi = 1, 2
-        while hi < limit and fits(hi):
-            lo, hi = hi, hi * 2
-        if hi >= limit:
-            return limit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return largest_fitting(fits, limit)
 
     def no_budget_message(self, mechanism) -> str:
         """Why no step can be taken: one step is already too costly, or the budget is spent."""

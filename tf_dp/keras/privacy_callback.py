@@ -70,23 +70,11 @@ def max_additional_steps(accountant, target_epsilon, delta, mechanism, limit=10*
     Epsilon grows with the number of steps, so an exponential search followed by bisection
     over copies of the accountant finds m with O(log m) epsilon evaluations.
     """
+    from tf_dp.accounting.functions import largest_fitting
 
-    def eps_after(m):
+    def fits(m):
         acc = type(accountant).from_config(accountant.get_config())
         acc.step(count=m, **mechanism)
-        return acc.epsilon(delta)
+        return acc.epsilon(delta) <= target_epsilon
 
-    if eps_after(1) > target_epsilon:
-        return 0
-    lo, hi = 1, 2
-    while hi < limit and eps_after(hi) <= target_epsilon:
-        lo, hi = hi, hi * 2
-    if hi >= limit:
-        return limit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if eps_after(mid) <= target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_fitting(fits, limit)
