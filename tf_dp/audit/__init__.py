@@ -17,6 +17,7 @@ docs/audit.md has the results and the cost.
 
 import importlib
 
+from tf_dp.audit import bounds
 from tf_dp.audit.bounds import (
     clopper_pearson,
     membership_epsilon_lower_bound,
@@ -42,18 +43,7 @@ _LAZY = {
     "plot_roc": "membership",
 }
 
-__all__ = [
-    "clopper_pearson",
-    "membership_epsilon_lower_bound",
-    "one_run_epsilon_lower_bound",
-    "one_run_from_scores",
-    "one_run_p_value",
-    "roc_auc",
-    "roc_curve",
-    "scores_epsilon_lower_bound",
-    "tpr_at_fpr",
-    *_LAZY,
-]
+__all__ = [*bounds.__all__, *_LAZY]
 
 
 def __getattr__(name):
