@@ -260,5 +260,43 @@ def test_mirrored_noise_is_added_once_per_global_step(request, k):
         np.testing.assert_allclose(w, -z.numpy() / (k * batch), rtol=1e-5, atol=1e-7)
 
 
+# ------------------------------------------------------------------ batch-size schedules
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. the optimizer was given a `seed`")
+def test_mirrored_batch_size_schedule_divides_and_accounts_by_each_steps_phase(request):
+    """A schedule's phase index travels with its batch; tf.distribute splits every component
+    over the replicas, so the phase goes as a [1] vector one replica receives and the step
+    sums it over replicas. Zero loss, seeded noise: the weights after the run are exactly
+    -sum_t z_t / E_t with E_t the phase's expected batch, and the accountant holds one step
+    per global step at each phase's q (not one per replica, not the first phase's q)."""
+    if not _in_two_cpu_process(request):
+        return
+    from tf_dp.schedules import PiecewiseBatchSize
+
+    clip, sigma, seed, n = 1.0, 2.0, 7, 32
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 20)).astype("float32")
+    y = np.zeros((n, 10), np.float32)
+    schedule = PiecewiseBatchSize(boundaries=[2], batch_sizes=[4, 16])  # E_t: 4, 4, 16, 16, 16
+    with _strategy().scope():
+        model = make_private(keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)]))
+        model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
+        model.compile(optimizer=DPSGD(clip, sigma, learning_rate=1.0, seed=seed),
+                      loss=_zero_loss)
+    history = model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=5, verbose=0)
+    assert _steps(model) == 5
+    assert history.history["batch_size"][-1] == 16
+    phases = {p.sampling_probability: p.count for p in model.accountant.phases}
+    assert phases == {4 / n: 2, 16 / n: 3}
+    expected = np.zeros(sum(int(np.prod(w.shape)) for w in model.weights))
+    for step, size in enumerate([4, 4, 16, 16, 16]):
+        noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+                               sigma * clip, seeded_draw(seed, "noise", step))
+        expected -= np.concatenate([z.numpy().ravel() for z in noise]) / size
+    got = np.concatenate([w.ravel() for w in model.get_weights()])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

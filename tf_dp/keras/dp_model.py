@@ -268,10 +268,6 @@ class DPTrainMixin:
                 self._dp_caveat(_SEEDED_CAVEAT)
             q, expected = sampler.sampling_probability, sampler.expected_batch_size
             if sampler.schedule is not None:
-                if self._distribute_strategy is not None or tf.distribute.has_strategy():
-                    raise ValueError("Batch-size schedules are not supported under a "
-                                     "tf.distribute strategy yet (the phase of a batch cannot "
-                                     "be split across replicas).")
                 q, expected = sampler.phase_probabilities, sampler.phase_batch_sizes
             data = sampler.dataset() if data is None else data
             fit_args = dict(x=data, shuffle=False,
@@ -322,6 +318,11 @@ class DPTrainMixin:
             for key in ("y", "sample_weight", "batch_size", "validation_split"):
                 fit_args.pop(key, None)
             fit_args["shuffle"] = False  # a dataset now (shuffled before, if it was arrays)
+        if scheduled and (self._distribute_strategy is not None or tf.distribute.has_strategy()):
+            # tf.distribute splits every component of an element along its first axis over
+            # the replicas: the phase index goes as a [1] vector, which exactly one replica
+            # receives; the step sums it over replicas (_dp_train_step).
+            fit_args["x"] = fit_args["x"].map(lambda batch, phase: (batch, tf.reshape(phase, [1])))
         self._dp_set_sampling(expected, q, poisson=poisson)
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
         callbacks = [privacy] + list(callbacks or [])
@@ -411,6 +412,13 @@ class DPTrainMixin:
         if isinstance(q, tuple):
             # A batch-size schedule: every batch comes with the phase it was sampled in.
             data, phase = data
+            if phase.shape.rank == 1:
+                # Under tf.distribute (see fit): one replica holds the [1] phase, the others
+                # an empty vector; the sum over replicas is the phase on every replica.
+                phase = tf.reduce_sum(tf.cast(phase, tf.int32))
+                context = tf.distribute.get_replica_context()
+                if context is not None and context.num_replicas_in_sync > 1:
+                    phase = context.all_reduce(tf.distribute.ReduceOp.SUM, phase)
             expected = tf.gather(tf.constant(expected, tf.float32), phase)
             q = list(q)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
