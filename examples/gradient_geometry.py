@@ -40,9 +40,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("epochs", 8, "Epochs (of round(N / batch_size) Poisson-sampled steps).")
 flags.DEFINE_integer("batch_size", 1024, "Expected batch size (Poisson sampling, q = B / N).")
 flags.DEFINE_integer("num_train", 30000, "Training examples used (the first N of 60,000).")
-flags.DEFINE_enum("optimizer", "dpsgd", ["dpsgd", "sgd"],
-                  "dpsgd: private (the figures); sgd: plain non-private SGD, for contrast (use "
-                  "a smaller --learning_rate, e.g. 0.05).")
+flags.DEFINE_enum("optimizer", "dpsgd", ["dpsgd", "rgp", "lsg", "sgd"],
+                  "dpsgd: private (the figures); rgp / lsg: the same DP-SGD with conv1, conv2 and "
+                  "dense reparametrized at rank --rank (RGP, Yu et al.; LSG with --sparsity), "
+                  "measured at their effective weights; sgd: plain non-private SGD, for contrast "
+                  "(use a smaller --learning_rate, e.g. 0.05).")
+flags.DEFINE_integer("rank", 4, "RGP / LSG carrier rank r.")
+flags.DEFINE_float("sparsity", 0.5, "LSG fraction of units frozen (lsg only).")
+flags.DEFINE_string("suffix", None, "Appended to the figure names (default: '' for dpsgd and sgd, "
+                    "'_rgp' / '_lsg' for those).")
 flags.DEFINE_float("learning_rate", 2.0, "SGD learning rate.")
 flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 flags.DEFINE_float("l2_norm_clip", 0.12, "Per-example clipping norm C.")
@@ -179,9 +185,16 @@ def main(argv):
     x_test = (x_test.astype("float32") / 255.0)[..., None]
     pick = np.random.default_rng(FLAGS.seed).choice(len(x_train), FLAGS.analysis_examples,
                                                      replace=False)
-    private = FLAGS.optimizer == "dpsgd"
+    private = FLAGS.optimizer != "sgd"
     if private:
-        model = tf_dp.keras.make_private(tutorial_cnn(), delta=FLAGS.delta)
+        plain = tutorial_cnn()
+        if FLAGS.optimizer in ("rgp", "lsg"):
+            # The three layers whose rank-r carriers are smaller than their kernels; the
+            # 32x10 classifier stays plain (exactly clipped, as in examples/rgp_fashion_mnist).
+            plain = tf_dp.layers.reparametrize(
+                plain, rank=FLAGS.rank, layers=["conv1", "conv2", "dense"],
+                sparsity=FLAGS.sparsity if FLAGS.optimizer == "lsg" else None)
+        model = tf_dp.keras.make_private(plain, delta=FLAGS.delta)
         optimizer = tf_dp.DPSGD(l2_norm_clip=FLAGS.l2_norm_clip,
                                 noise_multiplier=FLAGS.noise_multiplier,
                                 learning_rate=FLAGS.learning_rate, momentum=FLAGS.momentum)
@@ -217,8 +230,13 @@ def main(argv):
               f"   {res}")
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
+    method = {"dpsgd": "DP-SGD", "rgp": f"RGP rank {FLAGS.rank} on conv1, conv2, dense",
+              "lsg": f"LSG rank {FLAGS.rank}, sparsity {FLAGS.sparsity:g}, on conv1, conv2, "
+                     "dense"}.get(FLAGS.optimizer)
+    suffix = FLAGS.suffix if FLAGS.suffix is not None else (
+        f"_{FLAGS.optimizer}" if FLAGS.optimizer in ("rgp", "lsg") else "")
     if private:
-        run = (f"Fashion-MNIST CNN, DP-SGD (σ = {FLAGS.noise_multiplier:g}, "
+        run = (f"Fashion-MNIST CNN, {method}\n(σ = {FLAGS.noise_multiplier:g}, "
                f"C = {FLAGS.l2_norm_clip:g}, B = {FLAGS.batch_size}), ε = {epsilon:.2f}, "
                f"δ = {FLAGS.delta:g}, test accuracy {accuracy:.3f}")
     else:
@@ -227,14 +245,15 @@ def main(argv):
     _plot_stable_rank(history, shapes,
                       "Stable rank of each layer's gradient vs its full rank (dotted)\n" + run
                       + f"\nnon-private statistic on {FLAGS.analysis_examples} training examples",
-                      os.path.join(FLAGS.output_dir, "stable_rank.png"))
+                      os.path.join(FLAGS.output_dir, f"stable_rank{suffix}.png"))
     _plot_alignment(history, ranks, FLAGS.plot_rank,
                     "How much of the gradient lies outside the top-r singular subspaces of the "
                     "historical update W − W0 (solid) and of random subspaces (dashed):\n"
                     "the part of the gradient RGP's rank-r carriers lose\n" + run
                     + f"; non-private statistic on {FLAGS.analysis_examples} training examples",
-                    os.path.join(FLAGS.output_dir, "historical_alignment.png"))
-    print(f"wrote {FLAGS.output_dir}/stable_rank.png and historical_alignment.png")
+                    os.path.join(FLAGS.output_dir, f"historical_alignment{suffix}.png"))
+    print(f"wrote {FLAGS.output_dir}/stable_rank{suffix}.png and "
+          f"historical_alignment{suffix}.png")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ def test_restricted_lipschitz_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_geometry_smoke(tmp_path):
-    stdout = _run("gradient_geometry.py", f"--output_dir={tmp_path}")
-    for name in ("stable_rank.png", "historical_alignment.png"):
+@pytest.mark.parametrize("optimizer, suffix", [("dpsgd", ""), ("rgp", "_rgp")])
+def test_gradient_geometry_smoke(tmp_path, optimizer, suffix):
+    stdout = _run("gradient_geometry.py", f"--output_dir={tmp_path}", f"--optimizer={optimizer}")
+    for name in (f"stable_rank{suffix}.png", f"historical_alignment{suffix}.png"):
         assert (tmp_path / name).stat().st_size > 10_000
     assert "test accuracy" in stdout and "epsilon" in stdout
 

@@ -97,12 +97,54 @@ def test_chosen_layers_and_bad_arguments():
     missing.set_model(model)
     with pytest.raises(ValueError, match="`layers` entry 'nope' is not a layer"):
         missing.on_train_begin()
-    rgp = tf_dp.layers.reparametrize(keras.Sequential([
-        keras.Input((6, 6, 1)), keras.layers.Flatten(), keras.layers.Dense(3, name="d")]), rank=1)
-    reparam = analysis.GradientGeometry(x, y, layers=["d"])
-    reparam.set_model(rgp)
-    with pytest.raises(ValueError, match="reparametrized"):
-        reparam.on_train_begin()
+
+
+@pytest.mark.parametrize("sparsity", [None, 0.5])
+def test_reparametrized_layers_are_measured_at_their_effective_weight(sparsity):
+    # RGP/LSG layers' kernels enter the forward pass as stop_gradient(W): the callback must
+    # still measure the full dloss/dW, i.e. exactly the plain model's gradient at the same W.
+    x, y = _data(32)
+    plain = keras.Sequential([
+        keras.Input((6, 6, 1)), keras.layers.Conv2D(4, 3, name="conv"),
+        keras.layers.Flatten(), keras.layers.Dense(5, activation="tanh", name="hidden"),
+        keras.layers.Dense(2, name="logits")])
+    rgp = tf_dp.layers.reparametrize(plain, rank=1, sparsity=sparsity)
+    assert {type(rgp.get_layer(n)).__name__ for n in ("conv", "hidden", "logits")} == {
+        "ReparamConv2D", "ReparamDense"}
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (plain, rgp):
+        model.compile(optimizer="sgd", loss=loss)
+    # Training still sees no kernel gradient (only the carriers get one).
+    with tf.GradientTape() as tape:
+        out = loss(y, rgp(x))
+    assert tape.gradient(out, rgp.get_layer("hidden").kernel) is None
+
+    measured = {}
+    for model in (plain, rgp):
+        callback = analysis.GradientGeometry(x, y, ranks=(1,))
+        callback.set_model(model)
+        callback.on_train_begin()
+        measured[model] = (callback.measure(), callback._gradients())
+    (plain_logs, plain_grads), (rgp_logs, rgp_grads) = measured[plain], measured[rgp]
+    assert sorted(plain_logs) == sorted(rgp_logs)
+    for g_plain, g_rgp in zip(plain_grads, rgp_grads):
+        np.testing.assert_allclose(g_rgp, g_plain, rtol=1e-5, atol=1e-7)
+        assert np.any(g_rgp)
+    for key in plain_logs:
+        if key.startswith("stable_rank"):
+            assert rgp_logs[key] == pytest.approx(plain_logs[key], rel=1e-4)
+    # The analysis switch is off again, and refused inside a trace.
+    with tf.GradientTape() as tape:
+        out = loss(y, rgp(x))
+    assert tape.gradient(out, rgp.get_layer("hidden").kernel) is None
+    from tf_dp.layers._reparam_layer import kernel_gradients
+
+    @tf.function
+    def traced():
+        with kernel_gradients([rgp.get_layer("hidden")]):
+            return rgp(x)
+    with pytest.raises(RuntimeError, match="eager analysis code only"):
+        traced()
 
 
 if __name__ == "__main__":

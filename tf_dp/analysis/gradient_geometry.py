@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.analysis import geometry
+from tf_dp.layers._reparam_layer import kernel_gradients
 
 _LOG = logging.getLogger("tf_dp")
 
@@ -49,8 +50,9 @@ class GradientGeometry(keras.callbacks.Callback):
         x: analysis inputs (array or anything the model accepts), a few hundred examples.
         y: analysis targets, for the model's compiled loss.
         layers: layers or layer names whose ``kernel`` to measure; None (default) takes every
-            layer with a trainable kernel of 2 or more axes that is not reparametrized (an
-            RGP/LSG layer's kernel gets no autodiff gradient; measure the plain model).
+            layer with a trainable kernel of 2 or more axes. An RGP/LSG layer
+            (`tf_dp.layers.reparametrize`) is measured at its effective weight: ``G`` is the
+            full ``∂loss/∂W``, which its training never forms (only the carriers' gradients).
         ranks: the ranks ``r`` of the subspaces (int or sequence of ints ≥ 1); a rank above
             ``min(m, n)`` of a kernel is skipped for that kernel.
         sample_weight: optional per-example weights of the analysis batch.
@@ -156,15 +158,14 @@ class GradientGeometry(keras.callbacks.Callback):
             kernel = getattr(layer, "kernel", None)
             if kernel is None or len(kernel.shape) < 2:
                 raise ValueError(f"`layers` entry {layer.name!r} has no kernel of 2 or more axes.")
-            if hasattr(layer, "carrier_variables"):
-                raise ValueError(f"`layers` entry {layer.name!r} is reparametrized (RGP/LSG): its "
-                                 "kernel gets no autodiff gradient; measure the plain model.")
             chosen.append(layer)
         return chosen
 
     def _gradients(self):
         kernels = [layer.kernel for layer in self._layers]
-        with tf.GradientTape() as tape:
+        # An RGP/LSG layer's kernel enters its forward pass as stop_gradient(W); for the
+        # analysis its full gradient is taken instead (forward values unchanged).
+        with kernel_gradients(self._layers), tf.GradientTape() as tape:
             y_pred = self.model(self.x, training=False)
             loss = self.model.compute_loss(x=self.x, y=self.y, y_pred=y_pred,
                                            sample_weight=self.sample_weight, training=False)
@@ -185,4 +186,4 @@ def _all_layers(model):
 def _measurable(layer):
     kernel = getattr(layer, "kernel", None)
     return (kernel is not None and getattr(kernel, "trainable", False)
-            and len(kernel.shape) >= 2 and not hasattr(layer, "carrier_variables"))
+            and len(kernel.shape) >= 2)

@@ -9,6 +9,7 @@ in `ReparamDense`'s docstring.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -47,6 +48,29 @@ def reject_unsupported(layer_name, **options):
                 f"`{name}` is not supported by {layer_name}: the kernel is already "
                 f"reparametrized by gradient carriers, got {name}={value!r}"
             )
+
+
+@contextlib.contextmanager
+def kernel_gradients(layers):
+    """Within the block, each reparametrized layer's ``kernel`` gets its full autodiff gradient.
+
+    For analysis tools (`tf_dp.analysis.GradientGeometry`) that need ``∂loss/∂W`` of an
+    RGP/LSG layer's effective weight (whose value is ``W``), a raw, non-private statistic.
+    Only eager calls are allowed in the block: a `tf.function` traced there would keep the
+    gradient path, so entering the block inside a trace is refused. The forward values and
+    the carriers' gradients are unchanged.
+    """
+    if not tf.executing_eagerly():
+        raise RuntimeError("kernel_gradients() is for eager analysis code only; it cannot be "
+                           "entered while a tf.function is being traced.")
+    layers = [layer for layer in layers if isinstance(layer, ReparamLayer)]
+    for layer in layers:
+        layer._analysis_kernel_gradient = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._analysis_kernel_gradient = False
 
 
 class ReparamLayer(keras.layers.Layer):
@@ -211,8 +235,15 @@ class ReparamLayer(keras.layers.Layer):
         return self.activation(outputs) if self.activation is not None else outputs
 
     def _frozen_kernel(self):
-        """``stop_gradient(W)`` in the kernel layout: W gets no autodiff gradient."""
-        return ops.stop_gradient(tf.convert_to_tensor(self.kernel))
+        """``stop_gradient(W)`` in the kernel layout: W gets no autodiff gradient.
+
+        Inside `kernel_gradients` (analysis only, eager) W itself: its autodiff gradient is
+        then ``∂loss/∂W`` of the effective weight, which training never computes.
+        """
+        kernel = tf.convert_to_tensor(self.kernel)
+        if getattr(self, "_analysis_kernel_gradient", False):
+            return kernel
+        return ops.stop_gradient(kernel)
 
     @staticmethod
     def _carrier_term(low_rank_output):
