@@ -7,6 +7,8 @@ the implementation (or its accounting) is broken.
 * ``bounds`` (NumPy/SciPy, no TensorFlow): the one-run bound of Steinke, Nasr and Jagielski
   (NeurIPS 2023) from canary guesses, the (TPR, FPR) bound with Clopper–Pearson intervals,
   ROC tools.
+* ``fdp`` (NumPy/SciPy): the same guesses read in f-DP (Mahloujifar, Melis, Chaudhuri, ICML
+  2025): a lower bound on μ of μ-GDP, tighter than the (ε, δ) reading for Gaussian noise.
 * ``canaries`` (TensorFlow, loaded on first access): the white-box one-run audit of a tf_dp
   optimizer with Dirac gradient canaries, trained by tf_dp's own ``fit``.
 * ``membership``: membership-inference reports (AUC, TPR at low FPR, ε bound, log-log ROC),
@@ -17,9 +19,10 @@ docs/audit.md has the results and the cost.
 
 import importlib
 
-from tf_dp.audit import bounds
+from tf_dp.audit import bounds, fdp
 from tf_dp.audit.bounds import (
     clopper_pearson,
+    guess_counts,
     membership_epsilon_lower_bound,
     one_run_epsilon_lower_bound,
     one_run_from_scores,
@@ -28,6 +31,16 @@ from tf_dp.audit.bounds import (
     roc_curve,
     scores_epsilon_lower_bound,
     tpr_at_fpr,
+)
+from tf_dp.audit.fdp import (
+    gdp_blow_up_inverse,
+    gdp_delta,
+    gdp_epsilon,
+    one_run_fdp_mass_needed,
+    one_run_fdp_p_value,
+    one_run_gdp_from_scores,
+    one_run_gdp_lower_bound,
+    pure_dp_blow_up_inverse,
 )
 
 _LAZY = {
@@ -43,7 +56,7 @@ _LAZY = {
     "plot_roc": "membership",
 }
 
-__all__ = [*bounds.__all__, *_LAZY]
+__all__ = [*bounds.__all__, *fdp.__all__, *_LAZY]
 
 
 def __getattr__(name):

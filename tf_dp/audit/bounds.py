@@ -36,6 +36,7 @@ from scipy import stats
 
 __all__ = [
     "clopper_pearson",
+    "guess_counts",
     "membership_epsilon_lower_bound",
     "one_run_epsilon_lower_bound",
     "one_run_from_scores",
@@ -333,6 +334,33 @@ def one_run_from_scores(scores, included, delta: float = 0.0, confidence: float 
       dict: ``epsilon_lower_bound``, ``num_guesses``, ``num_correct``, ``k_in``, ``k_out``
       of the best pair, ``num_canaries`` and ``pairs_tried``.
     """
+    counts = guess_counts(scores, included, guesses, rng)
+    conf = 1.0 - (1.0 - _confidence(confidence)) / len(counts)
+    m = _scores(scores, "scores").size
+    best = None
+    for k_in, k_out, correct in counts:
+        eps = one_run_epsilon_lower_bound(m, k_in + k_out, correct, delta, conf)
+        if best is None or eps > best["epsilon_lower_bound"]:
+            best = {"epsilon_lower_bound": eps, "num_guesses": k_in + k_out,
+                    "num_correct": correct, "k_in": k_in, "k_out": k_out}
+    best.update(num_canaries=m, pairs_tried=len(counts))
+    return best
+
+
+def guess_counts(scores, included, guesses=None, rng=None) -> list:
+    """The right guesses of each (k_in, k_out) pair: "in" for the k_in highest scores, "out"
+    for the k_out lowest (ties broken at random with ``rng``).
+
+    Args:
+      scores: one score per canary (m of them; higher = more likely included).
+      included: booleans, whether each canary was in the training data.
+      guesses: sequence of (k_in, k_out); default: for each f in
+        ``DEFAULT_GUESS_FRACTIONS``, k = round(f·m) as (k, 0) and (k, k).
+      rng: ``numpy.random.Generator``; None draws a fresh one.
+
+    Returns:
+      list of (k_in, k_out, num_correct), one per pair, in order.
+    """
     s = _scores(scores, "scores")
     inc = np.asarray(included).reshape(-1)
     if inc.dtype != bool:
@@ -352,16 +380,9 @@ def one_run_from_scores(scores, included, delta: float = 0.0, confidence: float 
     if not guesses or any(a + b > m or a + b == 0 for a, b in guesses):
         raise ValueError(f"`guesses` must be non-empty (k_in, k_out) pairs with "
                          f"0 < k_in + k_out <= {m}, got {guesses!r}.")
-    conf = 1.0 - (1.0 - _confidence(confidence)) / len(guesses)
     rng = np.random.default_rng() if rng is None else rng
     order = np.lexsort((rng.random(m), s))[::-1]  # descending score, random among ties
-    best = None
-    for k_in, k_out in guesses:
-        correct = int(inc[order[:k_in]].sum()) + int((~inc[order[m - k_out:]]).sum()
-                                                     if k_out else 0)
-        eps = one_run_epsilon_lower_bound(m, k_in + k_out, correct, delta, conf)
-        if best is None or eps > best["epsilon_lower_bound"]:
-            best = {"epsilon_lower_bound": eps, "num_guesses": k_in + k_out,
-                    "num_correct": correct, "k_in": k_in, "k_out": k_out}
-    best.update(num_canaries=m, pairs_tried=len(guesses))
-    return best
+    return [(k_in, k_out,
+             int(inc[order[:k_in]].sum()) + (int((~inc[order[m - k_out:]]).sum()) if k_out
+                                             else 0))
+            for k_in, k_out in guesses]
