@@ -65,11 +65,14 @@ def test_correct_dpsgd_audited_bound_stays_below_the_accountants_epsilon():
     assert result.noise_multiplier == SIGMA and result.steps > 150
     assert 0.0 <= result.epsilon_lower_bound <= result.epsilon, str(result)
     assert not result.violation
+    assert result.claim_p_value >= 0.05 and not result.claim_rejected, str(result)
 
 
 def test_noise_a_quarter_of_the_reported_sigma_is_caught():
     result = _audit(QuarterNoiseDPSGD)
     assert result.noise_multiplier == SIGMA  # what the accountant was told
+    assert result.gdp_epsilon > result.epsilon_lower_bound, str(result)
+    assert result.claim_rejected and result.claim_p_value < 1e-3, str(result)
     assert result.epsilon_lower_bound > result.epsilon, str(result)
     assert result.violation and "VIOLATION" in str(result)
 
@@ -78,12 +81,15 @@ def test_noise_replayed_every_second_step_is_caught():
     result = _audit(ReplayedNoiseDPSGD)
     assert result.epsilon_lower_bound > result.epsilon, str(result)
     assert result.scorer == "repeated_noise"
+    assert result.claim_rejected, str(result)
 
 
 def test_non_private_training_gives_a_large_audited_epsilon():
     result = _audit(tf_dp.DPSGD, sigma=0.0)
     assert result.epsilon == float("inf")
     assert result.epsilon_lower_bound > 2.0, str(result)  # 500 canaries cap it near 3.7
+    # the f-DP reading of the same (near-perfect) guesses goes further than the (ε, δ) one
+    assert result.gdp_epsilon > result.epsilon_lower_bound + 1.0, str(result)
 
 
 # ---------------------------------------------------------- scorers on synthetic updates

@@ -144,7 +144,25 @@ def test_from_scores_uses_the_bonferroni_level():
         fdp.one_run_gdp_lower_bound(100, 100, 100, 1e-5, 0.975)["mu"], abs=1e-9)
 
 
+def test_profile_inverse_reproduces_pure_dp_and_gdp():
+    one = fdp.profile_blow_up_inverse([1.0], [0.0])
+    pure = fdp.pure_dp_blow_up_inverse(1.0)
+    for y in (0.0, 0.01, 0.3, 0.9, 1.0):
+        assert one(y) == pytest.approx(pure(y), abs=1e-15)
+    # μ-GDP's exact profile on a grid of ε: a slightly weaker claim than μ-GDP itself
+    mu, grid = 1.0, np.linspace(0, 8, 400)
+    profile = fdp.profile_blow_up_inverse(grid, [fdp.gdp_delta(mu, e) for e in grid])
+    gdp = fdp.gdp_blow_up_inverse(mu)
+    for y in (0.01, 0.2, 0.6, 0.95):
+        assert gdp(y) - 1e-5 < profile(y) <= gdp(y) + 1e-12
+    p_profile = fdp.one_run_fdp_p_value(1000, 200, 180, profile)
+    assert p_profile >= fdp.one_run_fdp_p_value(1000, 200, 180, gdp) - 1e-9
+    assert p_profile == pytest.approx(fdp.one_run_fdp_p_value(1000, 200, 180, gdp), abs=1e-3)
+
+
 @pytest.mark.parametrize("call,message", [
+    (lambda: fdp.profile_blow_up_inverse([1.0, 2.0], [0.1]), "`epsilons` and `deltas` must be"),
+    (lambda: fdp.profile_blow_up_inverse([1.0], [1.5]), "`deltas` in \\[0, 1\\]"),
     (lambda: fdp.gdp_blow_up_inverse(-1.0), "`mu` must be a finite number >= 0"),
     (lambda: fdp.pure_dp_blow_up_inverse(math.inf), "`epsilon` must be a finite number"),
     (lambda: fdp.gdp_epsilon(1.0, 0.0), "`delta` must be in"),

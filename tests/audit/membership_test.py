@@ -49,6 +49,41 @@ def test_lira_offline_standardises_against_out_shadows():
         membership.lira_offline_scores(target, shadows, np.ones_like(shadow_in))
 
 
+def test_lira_online_is_the_gaussian_likelihood_ratio_by_hand():
+    # 4 shadows, example 0 in shadows 0 and 1: IN logits 3, 5 (μ 4, var 2), OUT 0, 2 (μ 1,
+    # var 2); target 4.5 → log N(4.5; 4, 2) − log N(4.5; 1, 2) = (3.5² − 0.5²)/4 = 3.0.
+    shadows = np.array([[3.0, 0.0], [5.0, 1.0], [0.0, 4.0], [2.0, 2.0]])
+    inside = np.array([[True, False], [True, False], [False, True], [False, True]])
+    target = np.array([4.5, 1.0])
+    per_example = membership.lira_online_scores(target, shadows, inside, global_variance=False)
+    assert per_example[0] == pytest.approx(3.0)
+    # example 1: IN 4, 2 (μ 3, var 2), OUT 0, 1 (μ 0.5, var 0.5); target 1
+    expected = (-0.5 * np.log(2.0) - (1 - 3) ** 2 / 4) - (-0.5 * np.log(0.5) - 0.5**2 / 1.0)
+    assert per_example[1] == pytest.approx(expected)
+    # pooled: IN var (2 + 2)/2 = 2, OUT var (2 + 0.5)/2 = 1.25
+    pooled = membership.lira_online_scores(target, shadows, inside)
+    expected0 = (-0.5 * np.log(2.0) - 0.5**2 / 4) - (-0.5 * np.log(1.25) - 3.5**2 / 2.5)
+    assert pooled[0] == pytest.approx(expected0)
+    with pytest.raises(ValueError, match="at least 2 IN shadow"):
+        membership.lira_online_scores(target, shadows[:3], inside[:3], global_variance=False)
+    with pytest.raises(ValueError, match="at least 1 OUT shadow"):
+        membership.lira_online_scores(target, shadows, np.ones_like(inside))
+
+
+def test_lira_online_separates_members_on_synthetic_confidences():
+    rng = np.random.default_rng(5)
+    k, n = 8, 400
+    shadow_in = rng.permuted(np.tile(np.arange(k) < k // 2, (n, 1)), axis=1).T
+    offset = rng.normal(0, 3, n)
+    shadows = offset + rng.normal(0, 1, (k, n)) + 2.0 * shadow_in
+    target_in = rng.random(n) < 0.5
+    target = offset + rng.normal(0, 1, n) + 2.0 * target_in
+    s = membership.lira_online_scores(target, shadows, shadow_in)
+    assert bounds.roc_auc(s[target_in], s[~target_in]) > 0.8
+    assert bounds.roc_auc(s[target_in], s[~target_in]) > bounds.roc_auc(
+        target[target_in], target[~target_in])
+
+
 def test_confidence_logits_from_logits():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Identity()])
     z = np.array([[2.0, 0.0, -1.0], [0.0, 50.0, 0.0]], np.float32)
@@ -85,6 +120,7 @@ def test_mislabeled_canaries_are_memorised_without_noise_and_not_with_it():
     assert plain["epsilon"] == float("inf")
     assert plain["membership"]["auc"] > 0.75, plain["membership"]
     assert plain["epsilon_lower_bound"] > 0.5
+    assert plain["gdp"]["mu"] > 0 and plain["gdp"]["num_canaries"] == 200
     private = membership.input_canary_audit(lambda: _model(1.5, 1.0), x, y, 4, 200, cx, cy,
                                             dict(batch_size=64, epochs=5), rng=rng)
     assert private["epsilon_lower_bound"] <= private["epsilon"]

@@ -51,6 +51,7 @@ _LAZY = {
     "confidence_logits": "membership",
     "input_canary_audit": "membership",
     "lira_offline_scores": "membership",
+    "lira_online_scores": "membership",
     "loss_scores": "membership",
     "membership_report": "membership",
     "plot_roc": "membership",

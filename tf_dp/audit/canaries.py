@@ -30,8 +30,9 @@ Scorers (higher = more likely included), functions of the released updates only:
   noise replayed at step t makes an absent canary's two updates agree exactly, while an
   included canary sampled in only one of the two breaks the agreement.
 
-The guesses are chosen after seeing the scores, so ``one_run_from_scores`` applies a
-Bonferroni correction over every (scorer, number of guesses) pair tried.
+The guesses are chosen after seeing the scores, so a Bonferroni correction is applied over
+every (scorer, number of guesses) pair tried. The same guesses are also read in f-DP
+(``tf_dp.audit.fdp``): a lower bound on μ of μ-GDP and the ε(δ) of that Gaussian mechanism.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 
 import numpy as np
 
-from tf_dp.audit import bounds
+from tf_dp.audit import bounds, fdp
 
 __all__ = ["AuditResult", "SCORERS", "gradient_canary_audit", "canary_scores"]
 
@@ -68,6 +69,15 @@ class AuditResult:
       per_scorer: the best bound of each scorer (each already Bonferroni-corrected for all
         pairs tried).
       seconds: wall time of the audit (training and scoring).
+      gdp_mu: the f-DP reading of the same guesses (``tf_dp.audit.fdp``, same Bonferroni
+        correction): "the run is not μ-GDP" for this μ, at ``confidence``.
+      gdp_epsilon: ε(δ) of a ``gdp_mu``-GDP mechanism: an ε lower bound within the Gaussian
+        family, not against every (ε, δ) claim (DP-SGD's own trade-off curve is not
+        Gaussian), so ``violation`` uses ``epsilon_lower_bound`` only.
+      claim_p_value: p-value of the accountant's own claim — the run is (ε, δ(ε))-DP for
+        its pessimistic δ(ε) at every ε of a grid (``tf_dp.audit.profile_blow_up_inverse``)
+        — from the same guesses, Bonferroni-corrected (the smallest p-value times the pairs
+        tried, capped at 1). Below 1 − confidence: ``claim_rejected``.
     """
 
     epsilon_lower_bound: float
@@ -86,6 +96,16 @@ class AuditResult:
     num_correct: int
     per_scorer: dict
     seconds: float
+    gdp_mu: float = math.nan
+    gdp_epsilon: float = math.nan
+    claim_p_value: float = math.nan
+
+    @property
+    def claim_rejected(self) -> bool:
+        """True if the guesses reject the accountant's whole privacy profile (f-DP reading,
+        ``claim_p_value`` < 1 − confidence): a broken run, found with more power than
+        ``violation``."""
+        return self.claim_p_value < 1.0 - self.confidence
 
     @property
     def violation(self) -> bool:
@@ -96,9 +116,11 @@ class AuditResult:
         return (f"audited epsilon >= {self.epsilon_lower_bound:.3f} (confidence "
                 f"{self.confidence:g}, {self.scorer}: {self.num_correct}/{self.num_guesses} "
                 f"right guesses of {self.num_canaries} canaries) vs accountant epsilon "
-                f"{self.epsilon:.3f} at delta {self.delta:g}"
+                f"{self.epsilon:.3f} at delta {self.delta:g}; f-DP reading: not "
+                f"{self.gdp_mu:.3f}-GDP (its epsilon {self.gdp_epsilon:.3f}); p-value of the "
+                f"accountant's profile {self.claim_p_value:.3g}"
                 + (" -- VIOLATION: the implementation spends more than it reports"
-                   if self.violation else ""))
+                   if self.violation or self.claim_rejected else ""))
 
 
 def canary_scores(updates, sampling_probability: float, scorer: str) -> np.ndarray:
@@ -263,20 +285,27 @@ def gradient_canary_audit(optimizer, num_canaries: int = 1000, expected_batch_si
     updates = np.diff(np.stack(kernels), axis=0) / unit
     steps = updates.shape[0]
 
-    pairs = guesses
-    tried = {}
-    for name in scorers:
-        scores = canary_scores(updates, q, name)
-        out = bounds.one_run_from_scores(scores, included, delta, confidence, pairs, rng)
-        tried[name] = out
-    # Bonferroni over the scorers as well: each was corrected for its own pairs only.
-    if len(scorers) > 1:
-        level = 1.0 - (1.0 - confidence) / (len(scorers) * tried[scorers[0]]["pairs_tried"])
-        for out in tried.values():
-            out["epsilon_lower_bound"] = bounds.one_run_epsilon_lower_bound(
-                m, out["num_guesses"], out["num_correct"], delta, level)
+    counts = {name: bounds.guess_counts(canary_scores(updates, q, name), included, guesses, rng)
+              for name in scorers}
+    # Bonferroni over every (scorer, guesses) pair tried, for both readings of the guesses.
+    level = 1.0 - (1.0 - confidence) / sum(len(c) for c in counts.values())
+    tried, gdp = {}, {"mu": 0.0, "epsilon": 0.0}
+    for name, pairs in counts.items():
+        for k_in, k_out, correct in pairs:
+            eps = bounds.one_run_epsilon_lower_bound(m, k_in + k_out, correct, delta, level)
+            if name not in tried or eps > tried[name]["epsilon_lower_bound"]:
+                tried[name] = {"epsilon_lower_bound": eps, "num_guesses": k_in + k_out,
+                               "num_correct": correct}
+            g = fdp.one_run_gdp_lower_bound(m, k_in + k_out, correct, delta, level)
+            if g["mu"] > gdp["mu"]:
+                gdp = g
     best_name = max(tried, key=lambda k: tried[k]["epsilon_lower_bound"])
     best = tried[best_name]
+    claim = _profile_inverse(model.accountant)
+    pairs_tried = sum(len(c) for c in counts.values())
+    claim_p = min(1.0, pairs_tried * min(
+        fdp.one_run_fdp_p_value(m, k_in + k_out, correct, claim, tolerance=1e-6)
+        for pairs in counts.values() for k_in, k_out, correct in pairs))
     epsilon = float(model.epsilon())
     return AuditResult(
         epsilon_lower_bound=best["epsilon_lower_bound"],
@@ -288,7 +317,19 @@ def gradient_canary_audit(optimizer, num_canaries: int = 1000, expected_batch_si
         l2_norm_clip=clip, scorer=best_name, num_guesses=best["num_guesses"],
         num_correct=best["num_correct"],
         per_scorer={k: v["epsilon_lower_bound"] for k, v in tried.items()},
-        seconds=time.perf_counter() - start)
+        seconds=time.perf_counter() - start, gdp_mu=gdp["mu"], gdp_epsilon=gdp["epsilon"],
+        claim_p_value=claim_p)
+
+
+def _profile_inverse(accountant):
+    """b⁻¹ of the accountant's claim: its pessimistic δ(ε) on a grid of ε (both adjacency
+    directions); σ = 0 claims nothing (δ = 1)."""
+    from tf_dp.accounting.tradeoff import epsilon_grid  # noqa: PLC0415
+
+    if any(p.noise_multiplier == 0 for p in accountant.phases):
+        return lambda y: 0.0
+    grid = epsilon_grid(accountant, num=60)
+    return fdp.profile_blow_up_inverse(grid, accountant.privacy_profile(grid))
 
 
 def _positive_int(value, name):

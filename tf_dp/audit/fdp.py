@@ -54,6 +54,7 @@ __all__ = [
     "one_run_fdp_p_value",
     "one_run_gdp_from_scores",
     "one_run_gdp_lower_bound",
+    "profile_blow_up_inverse",
     "pure_dp_blow_up_inverse",
 ]
 
@@ -78,6 +79,32 @@ def pure_dp_blow_up_inverse(epsilon: float):
     if not eps >= 0.0 or math.isinf(eps):
         raise ValueError(f"`epsilon` must be a finite number >= 0, got {epsilon!r}.")
     return lambda y: max(math.exp(-eps) * y, 1.0 - math.exp(eps) * (1.0 - y), 0.0)
+
+
+def profile_blow_up_inverse(epsilons, deltas):
+    """b⁻¹ of a mechanism that is (ε_k, δ_k)-DP for every k (a privacy profile, e.g. an
+    accountant's pessimistic δ(ε) on a grid of ε, both adjacency directions):
+    y ↦ max_k max(0, e^{−ε_k}(y − δ_k), 1 − δ_k − e^{ε_k}(1 − y)).
+
+    The p-value of ``one_run_fdp_p_value`` with it tests the accountant's whole claim at
+    once, not ε at one δ.
+    """
+    eps = np.asarray(epsilons, np.float64).reshape(-1)
+    dl = np.asarray(deltas, np.float64).reshape(-1)
+    if eps.size == 0 or eps.shape != dl.shape:
+        raise ValueError(f"`epsilons` and `deltas` must be non-empty and of one length, got "
+                         f"{eps.size} and {dl.size}.")
+    if np.any(~(eps >= 0)) or np.any(~((dl >= 0) & (dl <= 1))):
+        raise ValueError("`epsilons` must be >= 0 and `deltas` in [0, 1].")
+    keep = np.isfinite(eps)
+    eps, dl = eps[keep], dl[keep]
+    shrink, grow = np.exp(-eps), np.exp(np.minimum(eps, 700.0))
+
+    def inverse(y):
+        return float(max(0.0, np.max(shrink * (y - dl)), np.max(1.0 - dl - grow * (1.0 - y)))) \
+            if eps.size else 0.0
+
+    return inverse
 
 
 def gdp_delta(mu: float, epsilon: float) -> float:

@@ -12,7 +12,9 @@ What a user can run on any trained model, without the white-box access of
   per-example loss) and ``lira_offline_scores`` (LiRA, Carlini et al., "Membership Inference
   Attacks From First Principles", S&P 2022, offline variant: a Gaussian fitted to each
   example's logit-scaled confidence under shadow models trained *without* it; the score is
-  how far the target model's confidence lies above it) with ``confidence_logits``.
+  how far the target model's confidence lies above it) and ``lira_online_scores`` (the
+  online variant: Gaussians fitted under the shadows trained *with* and *without* each
+  example, the score their log-likelihood ratio) with ``confidence_logits``.
 * ``input_canary_audit``: the one-run audit (Steinke et al. 2023) with mislabeled canaries
   scored by loss: m examples given a wrong label, each put in the training data with
   probability 1/2, one ``fit`` of the user's private model.
@@ -27,12 +29,13 @@ import time
 
 import numpy as np
 
-from tf_dp.audit import bounds
+from tf_dp.audit import bounds, fdp
 
 __all__ = [
     "confidence_logits",
     "input_canary_audit",
     "lira_offline_scores",
+    "lira_online_scores",
     "loss_scores",
     "membership_report",
     "plot_roc",
@@ -163,6 +166,55 @@ def lira_offline_scores(target_logits, shadow_logits, shadow_in) -> np.ndarray:
     return (t - mu) / sd
 
 
+def lira_online_scores(target_logits, shadow_logits, shadow_in,
+                       global_variance: bool = True) -> np.ndarray:
+    """Online LiRA scores (Carlini et al. 2022, Alg. 1): for each example, Gaussians
+    N(μ_in, σ_in²) and N(μ_out, σ_out²) fitted to its confidence logits under the shadow models
+    that did / did not train on it; the score is the log-likelihood ratio
+
+    ```
+    score = log N(φ_target; μ_in, σ_in²) − log N(φ_target; μ_out, σ_out²)
+    ```
+
+    Args:
+      target_logits: (n,) ``confidence_logits`` of the target model.
+      shadow_logits: (k, n) the same under k shadow models.
+      shadow_in: (k, n) booleans, whether shadow j trained on example i; every example needs
+        at least one IN and one OUT shadow (two of each without ``global_variance``).
+      global_variance: one σ_in and one σ_out for all examples (the pooled within-example
+        variances), as Carlini et al. recommend with few shadow models (their §VI-B: with
+        under ~64 shadows per-example variances are too noisy); False: per example.
+    """
+    t = np.asarray(target_logits, np.float64).reshape(-1)
+    s = np.asarray(shadow_logits, np.float64)
+    inside = np.asarray(shadow_in)
+    if s.ndim != 2 or s.shape[1] != t.size:
+        raise ValueError(f"`shadow_logits` must have shape (shadows, {t.size}), got "
+                         f"{s.shape}.")
+    if inside.shape != s.shape or inside.dtype != bool:
+        raise ValueError(f"`shadow_in` must be booleans of shape {s.shape}, got "
+                         f"{inside.dtype} {inside.shape}.")
+    least = 1 if global_variance else 2
+    loglik = []
+    for mask, name in ((inside, "IN"), (~inside, "OUT")):
+        counts = mask.sum(axis=0)
+        if np.any(counts < least):
+            raise ValueError(f"`shadow_in`: every example needs at least {least} {name} shadow "
+                             f"model(s), {int(np.sum(counts < least))} have fewer.")
+        mu = np.where(mask, s, 0).sum(axis=0) / counts
+        squares = np.where(mask, (s - mu) ** 2, 0).sum(axis=0)
+        if global_variance:
+            dof = int((counts - 1).sum())
+            if dof < 1:
+                raise ValueError(f"`shadow_in`: the {name} shadows give no variance estimate "
+                                 "(one model per example).")
+            var = np.full(t.size, max(squares.sum() / dof, 1e-12))
+        else:
+            var = np.maximum(squares / (counts - 1), 1e-12)
+        loglik.append(-0.5 * np.log(2 * math.pi * var) - 0.5 * (t - mu) ** 2 / var)
+    return loglik[0] - loglik[1]
+
+
 def input_canary_audit(build_model, x, y, num_classes: int, num_canaries: int,
                        canary_x, canary_y=None, fit_kwargs: dict = None, delta: float = 1e-5,
                        confidence: float = 0.95, from_logits: bool = True,
@@ -192,7 +244,9 @@ def input_canary_audit(build_model, x, y, num_classes: int, num_canaries: int,
 
     Returns:
       dict with ``epsilon_lower_bound`` and the guesses (``one_run_from_scores``),
-      ``epsilon`` (the model's accountant), the canaries' ``membership`` report (AUC, TPR at
+      ``epsilon`` (the model's accountant), ``gdp`` (the f-DP reading of the guesses,
+      ``tf_dp.audit.one_run_gdp_from_scores``: ``mu`` and its ``epsilon``), the canaries'
+      ``membership`` report (AUC, TPR at
       low FPR; its ε bound uses only half of them), their ``member_scores`` /
       ``nonmember_scores``, and ``seconds``.
     """
@@ -223,6 +277,7 @@ def input_canary_audit(build_model, x, y, num_classes: int, num_canaries: int,
     model.fit(train_x, train_y, **kwargs)
     scores = loss_scores(model, cx, labels, from_logits=from_logits)
     result = bounds.one_run_from_scores(scores, included, delta, confidence, rng=rng)
+    result["gdp"] = fdp.one_run_gdp_from_scores(scores, included, delta, confidence, rng=rng)
     result["epsilon"] = float(model.epsilon()) if hasattr(model, "epsilon") else math.nan
     result["member_scores"] = scores[included]
     result["nonmember_scores"] = scores[~included]
