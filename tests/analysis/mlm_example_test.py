@@ -22,7 +22,7 @@ def test_mlm_megabatch_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     stdout = out.stdout
     assert "| configuration | sigma |" in stdout
-    assert "| schedule 8 -> 32 -> 64 -> 128 |" in stdout
+    assert "| schedule 32 -> 64 -> 96 -> 128 |" in stdout
     assert "| non-private AdamW, batch 128 |" in stdout
     assert "inf (non-private)" in stdout
     for name in ("mlm_snr.png", "mlm_accuracy.png"):
