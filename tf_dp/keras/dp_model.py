@@ -245,6 +245,10 @@ class DPTrainMixin:
                 raise ValueError("A `batch_size` schedule needs array inputs with "
                                  "poisson_sampling=True (or a PoissonSampler built with "
                                  "expected_batch_size=schedule).")
+        workers = _multi_worker_input_context(self)
+        if workers is not None:
+            _check_multi_worker_input(workers, x, poisson_sampling, schedule, validation_split,
+                                      validation_data, dataset_size, sampling_probability)
         sampler = x if isinstance(x, PoissonSampler) else None
         data = None
         if sampler is None and isinstance(x, tf.data.Dataset):
@@ -258,17 +262,27 @@ class DPTrainMixin:
             # Keras semantics: `batch_size` is one micro-batch; a logical batch is k of them.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a seeded optimizer already warned
-                sampler = PoissonSampler(x, y, sample_weight=sample_weight,
-                                         expected_batch_size=(
-                                             schedule.scaled(k) if schedule is not None
-                                             else (batch_size or 32) * k),
-                                         seed=opt._next_sampler_seed())
+                if workers is None:
+                    sampler = PoissonSampler(x, y, sample_weight=sample_weight,
+                                             expected_batch_size=(
+                                                 schedule.scaled(k) if schedule is not None
+                                                 else (batch_size or 32) * k),
+                                             seed=opt._next_sampler_seed())
+                else:
+                    sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
+                                                    sample_weight,
+                                                    (batch_size or 32) * k,
+                                                    opt._next_sampler_seed())
         if sampler is not None:
             if sampler.seed is not None:
                 self._dp_caveat(_SEEDED_CAVEAT)
             q, expected = sampler.sampling_probability, sampler.expected_batch_size
             if sampler.schedule is not None:
                 q, expected = sampler.phase_probabilities, sampler.phase_batch_sizes
+            if workers is not None:
+                # Each worker samples its own shard at q: the union is one Poisson sample of
+                # the whole data set, whose expected size q * N divides the all-reduced sum.
+                expected = q * len(tf.nest.flatten(x)[0])
             data = sampler.dataset() if data is None else data
             fit_args = dict(x=data, shuffle=False,
                             steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch)
@@ -318,7 +332,14 @@ class DPTrainMixin:
             for key in ("y", "sample_weight", "batch_size", "validation_split"):
                 fit_args.pop(key, None)
             fit_args["shuffle"] = False  # a dataset now (shuffled before, if it was arrays)
-        if scheduled and (self._distribute_strategy is not None or tf.distribute.has_strategy()):
+        if workers is not None and isinstance(fit_args["x"], tf.data.Dataset):
+            # Each worker's own samples go, unsplit, to its one replica (Keras would split
+            # every worker's batch over all replicas of the cluster, i.e. over two steps).
+            local = fit_args["x"]
+            fit_args["x"] = self.distribute_strategy.distribute_datasets_from_function(
+                lambda context: local)
+        elif scheduled and (self._distribute_strategy is not None
+                            or tf.distribute.has_strategy()):
             # tf.distribute splits every component of an element along its first axis over
             # the replicas: the phase index goes as a [1] vector, which exactly one replica
             # receives; the step sums it over replicas (_dp_train_step).
@@ -397,7 +418,13 @@ class DPTrainMixin:
         # valid *root* name scope in a graph; Keras then fails and leaves its scope on its
         # global stack, prefixing every later variable path.
         with tf.name_scope("tf_dp_private_step"):
-            return self._dp_train_step(data)
+            logs = self._dp_train_step(data)
+        if _in_multi_worker_mode(self.distribute_strategy):
+            # Keras reduces a multi-worker step's outputs with reduce("MEAN", axis=0), which
+            # fails on scalars (keras-team/keras#20585): as [1] vectors they are averaged
+            # over all replicas of the cluster into scalars.
+            logs = {key: tf.reshape(value, [1]) for key, value in logs.items()}
+        return logs
 
     def _dp_train_step(self, data):
         """One logical private step on ``data`` (a logical batch).
@@ -660,6 +687,98 @@ def _regularization_gradients(variables):
             penalty = r(v.value)
         out[id(v)] = tape.gradient(penalty, v.value)
     return out
+
+
+# ------------------------------------------------------------------ multi-worker training
+
+
+def _in_multi_worker_mode(strategy):
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def _multi_worker_input_context(model):
+    """The worker's `tf.distribute.InputContext` under a multi-worker strategy, else None."""
+    strategy = model.distribute_strategy
+    if not _in_multi_worker_mode(strategy):
+        return None
+    # The context `distribute_datasets_from_function` gives this worker's input pipeline.
+    return strategy.extended._make_input_context()
+
+
+def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation_split,
+                              validation_data, dataset_size, sampling_probability):
+    """Refuses multi-worker inputs whose sampling across workers tf_dp cannot vouch for."""
+    if context.num_replicas_in_sync != context.num_input_pipelines:
+        raise ValueError(
+            f"Multi-worker private training needs one replica per worker (each worker's "
+            f"sample goes unsplit to its replica); this cluster has "
+            f"{context.num_input_pipelines} workers and {context.num_replicas_in_sync} "
+            "replicas. Give each worker one device (e.g. "
+            "MultiWorkerMirroredStrategy() on CPU workers).")
+    if schedule is not None:
+        raise ValueError("A `batch_size` schedule is not supported under "
+                         "MultiWorkerMirroredStrategy yet; use a fixed `batch_size`.")
+    if validation_split or validation_data is not None:
+        raise ValueError("`validation_split` / `validation_data` are not supported under "
+                         "MultiWorkerMirroredStrategy; evaluate after fit().")
+    if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
+            x, "_input_contexts"):  # DistributedDatasetsFromFunction
+        if dataset_size is None or sampling_probability is None:
+            raise ValueError(
+                "A distributed dataset under MultiWorkerMirroredStrategy needs `dataset_size` "
+                "(N of the whole data set) and `sampling_probability` (q): it declares that "
+                "every worker yields Poisson samples at q of its own disjoint shard, which "
+                "tf_dp cannot check (the privacy report says so). Or pass arrays: fit() then "
+                "shards and samples them itself.")
+        return
+    if not (_is_array_like(x) and poisson_sampling):
+        raise ValueError(
+            "Under MultiWorkerMirroredStrategy fit() takes array inputs with "
+            "poisson_sampling=True (every worker passes the same arrays; each samples only "
+            "its own shard, rows w, w + W, w + 2W, ..., at q = batch_size / N, so each "
+            "example is sampled with probability q once per step over the cluster), or a "
+            "distributed dataset with `dataset_size` and `sampling_probability`; got "
+            f"{type(x).__name__}" + ("" if poisson_sampling else " with poisson_sampling=False")
+            + ". A dataset, or a PoissonSampler, on every worker would sample the same "
+            "examples independently on each worker.")
+
+
+def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch, seed):
+    """This worker's PoissonSampler: its shard of the rows, at q = logical_batch / N."""
+    from tf_dp.data.poisson import PoissonSampler
+
+    n = len(tf.nest.flatten(x)[0])
+    for name, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None and any(len(a) != n for a in tf.nest.flatten(value)):
+            raise ValueError(f"`{name}` must have as many rows as `x` ({n}).")
+    largest, smallest = _max_and_min_over_workers(strategy, n)
+    if largest != smallest:
+        # Different N on different workers: different q and divisors per worker, so the
+        # replicas' updates (and accountants) would silently disagree.
+        raise ValueError(f"Every worker must pass the same arrays to fit(): the workers hold "
+                         f"between {smallest} and {largest} rows (this one {n}).")
+    shard = slice(context.input_pipeline_id, None, context.num_input_pipelines)
+    take = lambda structure: (None if structure is None
+                              else tf.nest.map_structure(lambda a: a[shard], structure))
+    q = min(1.0, logical_batch / n)
+    return PoissonSampler(take(x), take(y), sample_weight=take(sample_weight),
+                          sampling_probability=q,
+                          steps_per_epoch=max(1, round(1.0 / q)), seed=seed)
+
+
+def _max_and_min_over_workers(strategy, n):
+    """(max, min) of ``n`` over the replicas of a multi-worker ``strategy``."""
+
+    @tf.function
+    def gather():
+        def replica_fn():
+            return tf.distribute.get_replica_context().all_gather(
+                tf.constant([n], tf.int64), axis=0)
+        return strategy.run(replica_fn)
+
+    every = strategy.experimental_local_results(gather())[0].numpy()
+    return int(every.max()), int(every.min())
 
 
 def _global_count(local):

@@ -366,13 +366,15 @@ class DPOptimizerMixin:
         if adaptive is not None:
             self._update_clip(clip, clip_count, count_stddev, expected_batch_size, seed,
                               first_replica, ctx)
-        # Recorded once per global step (by the first replica), after the update.
+        # Recorded once per global step after the update, in every process's ledger: by the
+        # first replica of each worker (of the one process without multi-worker training).
+        first_on_worker = _first_replica_on_this_worker(ctx, replica_id)
         with tf.control_dependencies([self.iterations]):
             if phase is None:
-                self._dp_ledger.record(self.mechanism(qs[0]), count=first_replica)
+                self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
             else:
                 self._dp_ledger.record_one_of([self.mechanism(q) for q in qs], phase,
-                                              count=first_replica)
+                                              count=first_on_worker)
         return snr
 
     def _update_clip(self, clip, clip_count, count_stddev, expected_batch_size, seed,
@@ -467,6 +469,23 @@ def _adaptive_clipping(value):
             raise ValueError(f"`adaptive_clipping` config {value!r} is not valid: {err}") from None
     raise ValueError("`adaptive_clipping` must be None or tf_dp.AdaptiveClipping(...), got "
                      f"{value!r}.")
+
+
+def _first_replica_on_this_worker(ctx, replica_id):
+    """1.0 on the first replica of this worker (process), else 0.0.
+
+    Under MultiWorkerMirroredStrategy every worker keeps its own step ledger (a local
+    variable), so each records the global step once; one process records it once.
+    """
+    if ctx is None:
+        return tf.constant(1.0)
+    strategy = ctx.strategy
+    workers = 1
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        workers = max(1, int(getattr(strategy.extended, "_num_workers", 1)))
+    per_worker = max(1, ctx.num_replicas_in_sync // workers)
+    local = tf.math.floormod(tf.cast(replica_id, tf.int32), per_worker)
+    return tf.cast(tf.equal(local, 0), tf.float32)
 
 
 def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None):

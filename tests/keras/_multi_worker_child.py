@@ -1,0 +1,72 @@
+"""One worker of a two-process MultiWorkerMirroredStrategy run (tests/keras/multi_worker_test.py).
+
+    python _multi_worker_child.py <task index> <port,port> <result.json>
+
+Runs both problems, one after the other, in one cluster (starting the workers is most of
+the cost):
+  declared  each worker feeds, through distribute_datasets_from_function, the rows of a
+            fixed list of logical batches that belong to its shard (row i -> worker i % 2);
+            sigma = 0, so the weights must be those of one process on the whole batches.
+  noise     zero loss, seeded noise (test only), array inputs sampled by fit on each
+            worker's shard: the update is exactly -z / (q N) with z the step's noise, added
+            once for the cluster.
+The result file gets the final weights and the worker's accountant record.
+"""
+
+import json
+import os
+import sys
+
+index, ports, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+    "task": {"type": "worker", "index": index}})
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tests.keras import _multi_worker_data as data  # noqa: E402
+from tf_dp.keras import make_private  # noqa: E402
+from tf_dp.optimizers import DPSGD  # noqa: E402
+
+
+def run(strategy, mode):
+    if mode == "declared":
+        x, y = data.regression()
+        with strategy.scope():
+            model = make_private(data.mlp())
+            model.compile(optimizer=data.optimizer(), loss="mse")
+        shard = [b[b % len(ports) == index] for b in data.batches()]
+        ragged = tf.ragged.constant([s.tolist() for s in shard], dtype=tf.int64)
+        local = tf.data.Dataset.from_tensor_slices(ragged).map(
+            lambda idx: (tf.gather(x, idx), tf.gather(y, idx)))
+        dataset = strategy.distribute_datasets_from_function(lambda context: local)
+        model.fit(dataset, epochs=1, steps_per_epoch=len(shard), verbose=0,
+                  dataset_size=len(x), sampling_probability=data.Q)
+    else:
+        x, y = data.noise_problem()
+        with strategy.scope():
+            model = make_private(data.linear())
+            model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
+            model.compile(optimizer=DPSGD(data.CLIP, data.SIGMA, learning_rate=1.0,
+                                          seed=data.SEED), loss=data.zero_loss)
+        model.fit(x, y, batch_size=data.NOISE_BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    phases = [(p.noise_multiplier, p.sampling_probability, p.count)
+              for p in model.accountant.phases]
+    return {"weights": [w.tolist() for w in model.get_weights()], "phases": phases,
+            "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}
+
+
+def main():
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == len(ports), strategy.num_replicas_in_sync
+    results = {mode: run(strategy, mode) for mode in ("declared", "noise")}
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Problems shared by tests/keras/multi_worker_test.py and its worker processes."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dp.optimizers import DPSGD
+
+N = 40          # examples of the `declared` problem
+Q = 0.25        # its declared sampling probability (expected logical batch 10)
+STEPS = 4
+CLIP, SIGMA, SEED = 1.0, 2.0, 11
+NOISE_N, NOISE_BATCH = 32, 8
+
+
+def regression():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N, 4)).astype("float32")
+    y = rng.normal(size=(N, 1)).astype("float32")
+    return x, y
+
+
+def batches():
+    """Fixed 'Poisson' index batches (realised sizes vary; the divisor is Q * N)."""
+    rng = np.random.default_rng(2)
+    return [np.flatnonzero(rng.random(N) < Q) for _ in range(STEPS)]
+
+
+def mlp():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(1)])
+    rng = np.random.default_rng(0)
+    model.set_weights([rng.normal(0.0, 0.7, size=w.shape).astype("float32")
+                       for w in model.weights])
+    return model
+
+
+def optimizer():
+    # Clipping active (C below most per-example norms), sigma = 0: the result is a function
+    # of the batches alone, however they are split over workers.
+    return DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1, momentum=0.9)
+
+
+def noise_problem():
+    rng = np.random.default_rng(3)
+    return (rng.normal(size=(NOISE_N, 30)).astype("float32"),
+            np.zeros((NOISE_N, 20), np.float32))
+
+
+def linear():
+    return keras.Sequential([keras.Input((30,)), keras.layers.Dense(20)])
+
+
+def zero_loss(y_true, y_pred):
+    return 0.0 * tf.reduce_sum(y_pred, axis=-1)

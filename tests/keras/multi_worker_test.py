@@ -1,0 +1,185 @@
+"""Private training under tf.distribute.MultiWorkerMirroredStrategy: two worker processes.
+
+Privacy across workers: each example is sampled with probability q once per step over the
+whole cluster (each worker samples only its own shard, rows w, w + W, ...), the clipped sums
+are all-reduced, the noise N(0, sigma^2 C^2) is added once per global step (by the first
+replica of the cluster), the sum is divided by the global expected batch q * N, and every
+worker's accountant records each step once.
+
+The two-process tests start two workers on localhost ports (tests/keras/_multi_worker_child.py)
+and compare their weights with a one-process run and with the noise worked out by hand.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.keras import _multi_worker_data as data
+from tf_dp.core import gaussian_noise
+from tf_dp.core.randomness import seeded_draw
+from tf_dp.data import PoissonSampler
+from tf_dp.keras import dp_model, make_private
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _run_workers(tmp_path, workers=2):
+    ports = ",".join(str(p) for p in _free_ports(workers))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT,
+               TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+    procs, outs = [], []
+    for i in range(workers):
+        out = tmp_path / f"worker{i}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(_HERE, "_multi_worker_child.py"), str(i), ports,
+             str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Both problems' results from each of two workers (one cluster start for the module)."""
+    return _run_workers(tmp_path_factory.mktemp("workers"))
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. DPSGD has `noise_multiplier=0`")
+@pytest.mark.filterwarnings("ignore:ε = inf")
+def test_two_workers_give_the_weights_of_one_process(cluster):
+    """Each worker holds its shard's rows of the same logical batches; sigma = 0 and clipping
+    active: the cluster must compute exactly the one-process update (sum over both shards,
+    divided by the global q N), and each worker's accountant holds every step once."""
+    results = [worker["declared"] for worker in cluster]
+    x, y = data.regression()
+    model = make_private(data.mlp())
+    model.compile(optimizer=data.optimizer(), loss="mse")
+    ragged = tf.ragged.constant([b.tolist() for b in data.batches()], dtype=tf.int64)
+    whole = tf.data.Dataset.from_tensor_slices(ragged).map(
+        lambda idx: (tf.gather(x, idx), tf.gather(y, idx)))
+    model.fit(whole, epochs=1, steps_per_epoch=data.STEPS, verbose=0, dataset_size=data.N,
+              sampling_probability=data.Q)
+    moved = max(float(np.max(np.abs(a - b)))
+                for a, b in zip(model.get_weights(), data.mlp().get_weights()))
+    assert moved > 1e-3
+    for result in results:
+        assert result["iterations"] == data.STEPS
+        assert result["phases"] == [[0.0, data.Q, data.STEPS]]  # once per step, every worker
+        for got, want in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_is_added_once_for_the_cluster_and_divided_by_the_global_batch(cluster):
+    """Zero loss, seeded noise (test only): after one step both workers hold exactly
+    -z / (q N), z the step's noise draw. Noise from each worker would double it (the seeded
+    streams agree), a per-worker divisor q N_w would double it too."""
+    results = [worker["noise"] for worker in cluster]
+    model = data.linear()
+    noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+                           data.SIGMA * data.CLIP, seeded_draw(data.SEED, "noise", 0))
+    q = data.NOISE_BATCH / data.NOISE_N
+    want = [-z.numpy() / (q * data.NOISE_N) for z in noise]
+    for result in results:
+        assert result["iterations"] == 1
+        assert result["phases"] == [[data.SIGMA, q, 1]]
+        for got, w in zip(result["weights"], want):
+            np.testing.assert_allclose(np.asarray(got, np.float32), w, rtol=1e-5, atol=1e-7)
+    std = np.concatenate([np.ravel(r) for r in results[0]["weights"]]).std()
+    assert std == pytest.approx(data.SIGMA * data.CLIP / (q * data.NOISE_N), rel=0.1)
+
+
+# ------------------------------------------------------------------ in one process
+
+
+class _FakeStrategy:
+    """What the shard sampler asks of the strategy: the row counts of every worker."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+
+def test_each_worker_samples_only_its_shard_at_q(monkeypatch):
+    """Two workers' shard samplers: disjoint rows (w, w + 2, ...), every row of the data set
+    drawn with probability q per step (binomial bounds), so the union is one Poisson sample
+    of the whole data set at q, not two."""
+    n, batch, steps = 60, 12, 600
+    q = batch / n
+    monkeypatch.setattr(dp_model, "_max_and_min_over_workers", lambda strategy, rows: (n, n))
+    counts = np.zeros(n)
+    for worker in range(2):
+        context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker,
+                                             num_replicas_in_sync=2)
+        sampler = dp_model._worker_shard_sampler(None, context, np.arange(n), None, None,
+                                                 batch, seed=None)
+        assert sampler.sampling_probability == pytest.approx(q)
+        assert sampler.steps_per_epoch == round(1 / q)
+        mine = np.zeros(n)
+        for element in sampler.dataset(steps):
+            rows = element[0].numpy() if isinstance(element, tuple) else element.numpy()
+            np.add.at(mine, rows, 1)
+        assert not mine[np.arange(n) % 2 != worker].any()  # only its own shard
+        counts += mine
+    # Every row: Binomial(steps, q); 5-sigma bounds, all rows (union of both workers).
+    sd = math.sqrt(steps * q * (1 - q))
+    assert np.all(np.abs(counts - steps * q) < 5 * sd), (counts.min(), counts.max())
+
+
+def test_workers_with_different_row_counts_are_refused(monkeypatch):
+    monkeypatch.setattr(dp_model, "_max_and_min_over_workers", lambda strategy, rows: (60, 58))
+    context = tf.distribute.InputContext(2, 0, 2)
+    with pytest.raises(ValueError, match="same arrays.*between 58 and 60 rows"):
+        dp_model._worker_shard_sampler(None, context, np.arange(60), None, None, 12, seed=None)
+
+
+def test_unsafe_multi_worker_inputs_are_refused():
+    two = tf.distribute.InputContext(2, 0, 2)
+    check = dp_model._check_multi_worker_input
+    x = np.zeros((20, 3), np.float32)
+    ok = dict(poisson_sampling=True, schedule=None, validation_split=0.0,
+              validation_data=None, dataset_size=None, sampling_probability=None)
+    check(two, x, **ok)  # arrays: fit shards and samples them
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    with pytest.raises(ValueError, match="same examples independently on each worker"):
+        check(two, dataset, **{**ok, "dataset_size": 20})
+    with pytest.raises(ValueError, match="same examples independently"):
+        check(two, PoissonSampler(x, expected_batch_size=4), **ok)
+    with pytest.raises(ValueError, match="poisson_sampling=False"):
+        check(two, x, **{**ok, "poisson_sampling": False})
+    with pytest.raises(ValueError, match="one replica per worker"):
+        check(tf.distribute.InputContext(2, 0, 4), x, **ok)
+    with pytest.raises(ValueError, match="schedule"):
+        check(two, x, **{**ok, "schedule": object()})
+    with pytest.raises(ValueError, match="validation"):
+        check(two, x, **{**ok, "validation_split": 0.2})
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
