@@ -294,6 +294,39 @@ def test_a_small_poisson_batch_never_skips_the_check():
         assert not check_before_private_training(model, ones, None, None, XENT)  # not marked
 
 
+def test_a_map_after_the_sampler_that_changes_the_input_structure_never_skips_the_check():
+    """A map after the sampler (masking, a second input) gives the model inputs the sampler's
+    raw rows do not fit. The check must then read the mapped dataset's own batches: a mixing
+    model is refused, a per-example one passes and is marked checked (it was skipped with a
+    warning before)."""
+    import tf_dp
+
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(300, 6)).astype("float32")
+    y = rng.integers(0, 3, size=300)
+    sampler = PoissonSampler(x, y, sampling_probability=0.05)
+    mapped = sampler.dataset().map(lambda a, b: ({"values": a, "scale": 2.0 * a[:, :1]}, b))
+
+    def model_with(mixing):
+        values, scale = keras.Input((6,), name="values"), keras.Input((1,), name="scale")
+        h = L.Concatenate()([values, scale])
+        if mixing:
+            h = L.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True))(h)
+        model = tf_dp.keras.make_private(keras.Model({"values": values, "scale": scale},
+                                                     L.Dense(3)(h)))
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(ValueError, match="independ|mix"):
+        model_with(mixing=True).fit(mapped, epochs=1, steps_per_epoch=2, verbose=0)
+    good = model_with(mixing=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not check")
+        good.fit(mapped, epochs=1, steps_per_epoch=2, verbose=0)
+    assert not check_before_private_training(good, mapped, None, None, XENT)  # marked
+
+
 def test_check_before_training_runs_again_when_the_architecture_changes():
     model = _mlp([L.BatchNormalization(name="bn")])
     model.get_layer("bn").trainable = False

@@ -120,8 +120,8 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
     if _low_precision(model):
         rtol = max(rtol, _LOW_PRECISION_RTOL)
     with _preserved_state(model) as replay:
-        _Checker(model, per_example_loss, variables, replay, rtol).run(xs, ys, n)
-    return True
+        # False if nothing could be compared (a warning says why): not checked.
+        return _Checker(model, per_example_loss, variables, replay, rtol).run(xs, ys, n)
 
 
 def check_before_private_training(model: keras.Model, x, y=None, sample_weight=None,
@@ -155,8 +155,23 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
                         "consuming it; pass arrays, a PoissonSampler or a tf.data.Dataset",
                         stacklevel=3)
         return False
-    if not check_per_example_independence(model, *probe, per_example_loss,
-                                          variables=variables):
+    # A sampler's dataset mapped after the sampler (masking, augmentation, a new input
+    # structure): the sampler's raw rows may not fit the model. Then its own batches serve: a
+    # few of them, concatenated (fresh Poisson draws; nothing is replayed).
+    fallback = isinstance(x, tf.data.Dataset)
+    with warnings.catch_warnings(record=fallback) as first_warnings:
+        if fallback:
+            warnings.simplefilter("always")
+        ran = check_per_example_independence(model, *probe, per_example_loss,
+                                             variables=variables)
+    sampled = _sampled_rows(x) if fallback and not ran else None
+    if sampled is not None:
+        ran = check_per_example_independence(model, *sampled, per_example_loss,
+                                             variables=variables)
+    elif fallback:
+        for caught in first_warnings:
+            warnings.warn(caught.message, caught.category, stacklevel=3)
+    if not ran:
         # Fewer than 2 real rows (a small Poisson batch, batches of one), or the model could
         # not be called: nothing was compared, so the model is NOT marked as checked.
         _warn_unchecked("the check did not run (fewer than 2 rows with non-zero sample "
@@ -205,6 +220,38 @@ def _first_batch(x, y, sample_weight, rows=4 * DEFAULT_NUM_ROWS):
         return t[:rows]
 
     return tuple(tf.nest.map_structure(head, part) for part in (x, y, sample_weight))
+
+
+def _sampled_rows(dataset, rows=DEFAULT_NUM_ROWS, max_batches=64):
+    """(x, y, sample_weight): rows of the first batches of a PoissonSampler's (mapped)
+    dataset, concatenated until ``rows`` rows, or None if it is not a sampler's dataset or
+    its elements cannot be concatenated."""
+    from tf_dp.data.poisson import sampler_of
+
+    sampler = sampler_of(dataset)
+    if sampler is None:
+        return None
+    parts, count = [], 0
+    for element in dataset.take(max_batches):
+        if sampler.schedule is not None:
+            element = element[0]  # (batch, phase)
+        batch = keras.utils.unpack_x_y_sample_weight(element)
+        leaves = [t for t in tf.nest.flatten(batch) if t is not None]
+        if not leaves:
+            return None
+        n = int(leaves[0].shape[0])
+        if n:
+            parts.append(batch)
+            count += n
+        if count >= rows:
+            break
+    if count < 2:
+        return None
+    try:
+        return tuple(tf.nest.map_structure(
+            lambda *t: None if t[0] is None else tf.concat(t, axis=0), *parts))
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+        return None  # ragged structure across batches (e.g. padded to different lengths)
 
 
 @dataclasses.dataclass
@@ -257,7 +304,7 @@ class _Checker:
                     "second": run_pass(xs, ys, _masked(coef, second))}
         except Exception as err:  # noqa: BLE001 - the private step will report it properly
             _warn_unchecked(f"the model could not be called on {n} rows ({err})")
-            return
+            return False  # nothing compared: the model must not be marked as checked
         for comp in comparisons:
             ref = refs["first" if comp.rows == first else "second"]
             try:
@@ -275,7 +322,7 @@ class _Checker:
             if not self._replayable(run_pass, xs, ys, ref, coef, comp.rows):
                 _warn_unchecked("the forward pass is random in a way that cannot be replayed "
                                 "(random ops outside Keras seed generators)")
-                return
+                return False
             stochastic_off = False
             if comp.removal and _stochastic_layers(self.model):
                 # The removal test assumes random layers draw a batch's first rows alike for
@@ -289,6 +336,7 @@ class _Checker:
                 if diff is None:
                     continue
             raise ValueError(self._message(xs, comp, diff, n, stochastic_off))
+        return True
 
     def _pass(self, xs, ys, coef):
         """One replayed training-mode pass: outputs, per-example losses (unit weights) and
