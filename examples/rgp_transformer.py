@@ -15,9 +15,10 @@ Why the attention is written out (--attention=functional, the default) rather th
 keras.layers.MultiHeadAttention: `reparametrize` clones the model layer by layer, and
 MultiHeadAttention is one layer whose four EinsumDense projections are built inside it. They
 are never swapped, even when named in `layers=[...]`, and no error is raised (see
-docs/rgp_results.md, "Bugs"). The functional attention below has the same math (scaled
-dot-product attention, per-head projections as EinsumDense with MultiHeadAttention's
-equations) with the projections as top-level layers, which `reparametrize` does swap.
+docs/rgp_results.md, "Bugs"). The functional attention (examples/_transformer.py, shared with
+gradient_spectra.py) has the same math (scaled dot-product attention, per-head projections as
+EinsumDense with MultiHeadAttention's equations) with the projections as top-level layers,
+which `reparametrize` does swap.
 --attention=keras uses MultiHeadAttention and so reparametrizes only the feed-forward layers
 (the example prints which layers were swapped).
 
@@ -27,7 +28,6 @@ equations) with the projections as top-level layers, which `reparametrize` does 
   python examples/rgp_transformer.py --attention=keras       # RGP on feed-forward only
 """
 
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,6 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
 from _report import fit_and_report  # noqa: E402  (examples/_report.py)
+import _transformer  # noqa: E402  (examples/_transformer.py: the model)
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from tf_dp.layers import reparam_layers, reparametrize  # noqa: E402
 
@@ -69,98 +70,13 @@ flags.DEFINE_integer("seed", 0, "Seed for initialisation and carriers only. Nois
                      "sampling always come from fresh OS entropy.")
 
 
-# ----------------------------------------------------------------------------- layers
-
-
-@keras.saving.register_keras_serializable(package="tf_dp_examples")
-class Positions(keras.layers.Layer):
-    """Position ids ``[0, T)`` for every example; weightless, so the table is an Embedding
-    (which has an exact per-example norm formula)."""
-
-    def call(self, tokens):
-        length = tf.shape(tokens)[1]
-        return tf.broadcast_to(tf.range(length)[None, :], tf.shape(tokens))
-
-
-@keras.saving.register_keras_serializable(package="tf_dp_examples")
-class ScaledDotProductAttention(keras.layers.Layer):
-    """``softmax(q kᵀ / sqrt(d) + mask) v`` per head; weightless.
-
-    Inputs ``[q, k, v, tokens]`` with ``q, k, v`` of shape ``(B, T, heads, d)``; keys at
-    padding tokens (id 0) are masked out.
-    """
-
-    def call(self, inputs):
-        query, key, value, tokens = inputs
-        scale = 1.0 / math.sqrt(float(query.shape[-1]))
-        scores = tf.einsum("bqhd,bkhd->bhqk", query * scale, key)
-        keep = tf.cast(tokens > 0, scores.dtype)[:, None, None, :]
-        scores += (1.0 - keep) * -1e9
-        return tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores, axis=-1), value)
-
-
-@keras.saving.register_keras_serializable(package="tf_dp_examples")
-class MaskedMeanPooling(keras.layers.Layer):
-    """Mean over the non-padding positions of ``(B, T, D)``; inputs ``[x, tokens]``."""
-
-    def call(self, inputs):
-        x, tokens = inputs
-        keep = tf.cast(tokens > 0, x.dtype)[:, :, None]
-        return tf.reduce_sum(x * keep, axis=1) / tf.maximum(tf.reduce_sum(keep, axis=1), 1.0)
-
-
-@keras.saving.register_keras_serializable(package="tf_dp_examples")
-class AttentionMask(keras.layers.Layer):
-    """``(B, 1, T)`` boolean mask of the non-padding keys, for MultiHeadAttention."""
-
-    def call(self, tokens):
-        return (tokens > 0)[:, None, :]
-
-
 # ----------------------------------------------------------------------------- model
 
 
-def _functional_attention(x, tokens, name):
-    """Self-attention with MultiHeadAttention's EinsumDense equations, as top-level layers."""
-    heads, dim = FLAGS.num_heads, FLAGS.embed_dim
-    head_dim = dim // heads
-
-    def projection(part):
-        return keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, heads, head_dim),
-                                        bias_axes="de", name=f"{name}_{part}")(x)
-
-    attended = ScaledDotProductAttention(name=f"{name}_sdpa")(
-        [projection("query"), projection("key"), projection("value"), tokens])
-    return keras.layers.EinsumDense("abcd,cde->abe", output_shape=(None, dim), bias_axes="e",
-                                    name=f"{name}_output")(attended)
-
-
-def _keras_attention(x, tokens, name):
-    mask = AttentionMask(name=f"{name}_mask")(tokens)
-    return keras.layers.MultiHeadAttention(FLAGS.num_heads, FLAGS.embed_dim // FLAGS.num_heads,
-                                           name=f"{name}_mha")(x, x, attention_mask=mask)
-
-
 def transformer_classifier(vocab_size) -> keras.Model:
-    tokens = keras.Input((FLAGS.sequence_length,), dtype="int64", name="tokens")
-    x = keras.layers.Embedding(vocab_size, FLAGS.embed_dim, name="token_embedding")(tokens)
-    positions = keras.layers.Embedding(FLAGS.sequence_length, FLAGS.embed_dim,
-                                       name="position_embedding")(Positions()(tokens))
-    x = keras.layers.Add()([x, positions])
-    attention = _functional_attention if FLAGS.attention == "functional" else _keras_attention
-    for i in range(FLAGS.num_blocks):
-        name = f"block{i}"
-        # keras.layers.Add, not `x + y`: reparametrize() fails on operator nodes.
-        x = keras.layers.Add()([x, attention(x, tokens, f"{name}_attention")])
-        x = keras.layers.LayerNormalization(name=f"{name}_ln1")(x)
-        y = keras.layers.Dense(FLAGS.ff_dim, activation="relu", name=f"{name}_ff1")(x)
-        y = keras.layers.Dense(FLAGS.embed_dim, name=f"{name}_ff2")(y)
-        x = keras.layers.LayerNormalization(name=f"{name}_ln2")(keras.layers.Add()([x, y]))
-    pooled = MaskedMeanPooling()([x, tokens])
-    # Zero-initialised classifier: the first steps start from the uniform prediction (loss
-    # log 2) instead of from random logits, which noisy private steps are slow to undo.
-    logits = keras.layers.Dense(2, kernel_initializer="zeros", name="classifier")(pooled)
-    return keras.Model(tokens, logits)
+    return _transformer.transformer_classifier(
+        vocab_size, FLAGS.sequence_length, FLAGS.embed_dim, FLAGS.num_heads, FLAGS.ff_dim,
+        FLAGS.num_blocks, FLAGS.attention)
 
 
 def reparametrized(model: keras.Model) -> keras.Model:

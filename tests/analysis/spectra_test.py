@@ -254,15 +254,17 @@ def test_gradient_spectrum_bad_arguments():
 
 # ---------------------------------------------------------------------- the example
 @pytest.mark.slow
-def test_gradient_spectra_example_smoke(tmp_path):
+@pytest.mark.parametrize("model, suffix", [("cnn", ""), ("transformer", "_transformer")])
+def test_gradient_spectra_example_smoke(tmp_path, model, suffix):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "gradient_spectra.py"),
-                          "--smoke", f"--output_dir={tmp_path}"],
+                          "--smoke", f"--model={model}", f"--output_dir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("gradient_spectrum.png", "projected_accuracy.png"):
+    for name in (f"gradient_spectrum{suffix}.png", f"projected_accuracy{suffix}.png"):
         assert (tmp_path / name).stat().st_size > 10_000
     assert "DP-SGD projected, k =    4" in out.stdout and "epsilon" in out.stdout
+    assert out.stdout.startswith(f"{model}: ")
 
 
 if __name__ == "__main__":
