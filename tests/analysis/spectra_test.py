@@ -267,5 +267,20 @@ def test_gradient_spectra_example_smoke(tmp_path, model, suffix):
     assert out.stdout.startswith(f"{model}: ")
 
 
+def test_the_complement_of_a_few_directions_in_high_dimension_needs_no_d_by_d_matrix():
+    """Eigen-pairs asked for beyond the streamed rank are completed by orthonormal directions;
+    at d = 200,000 a d x d identity (320 GB) must not be built."""
+    from tf_dp.analysis.spectra import _complement
+
+    d = 200_000
+    rng = np.random.default_rng(0)
+    vt, _ = np.linalg.qr(rng.standard_normal((d, 3)))
+    vt = vt.T
+    extra = _complement(vt, 2)
+    assert extra.shape == (2, d)
+    both = np.concatenate([vt, extra])
+    np.testing.assert_allclose(both @ both.T, np.eye(5), atol=1e-10)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

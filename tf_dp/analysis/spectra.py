@@ -176,7 +176,10 @@ class StreamingPCA:
 def _complement(vt, count):
     """``count`` orthonormal rows orthogonal to the orthonormal rows of ``vt``."""
     d = vt.shape[1]
-    q, _ = np.linalg.qr(np.concatenate([vt.T, np.eye(d)[:, :min(d, vt.shape[0] + count)]], axis=1))
+    # np.eye(d, m), not np.eye(d)[:, :m]: d x d is 41 GB at d = 73,890. Householder QR gives
+    # orthonormal columns, those after vt's rows orthogonal to them, even if some e_i lie in
+    # vt's span.
+    q, _ = np.linalg.qr(np.concatenate([vt.T, np.eye(d, min(d, vt.shape[0] + count))], axis=1))
     return q[:, vt.shape[0]:vt.shape[0] + count].T
 
 
