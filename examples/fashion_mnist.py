@@ -21,6 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
+from _models import tutorial_cnn  # noqa: E402  (examples/_models.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("optimizer", "dpsgd", ["dpsgd", "dpadam", "dpadamw", "dpsgd_jl", "dpadam_jl",
@@ -39,20 +40,6 @@ flags.DEFINE_float("delta", 1e-5, "Target delta.")
 flags.DEFINE_integer("seed", 0, "Seed for weight initialisation only. Noise and Poisson sampling always "
                      "come from fresh OS entropy (a seeded DP optimizer would void epsilon).")
 flags.DEFINE_string("dataset", "fashion_mnist", "fashion_mnist or mnist.")
-
-
-def tutorial_cnn(activation: str) -> keras.Model:
-    """The TF Privacy tutorial CNN: 26,010 parameters on 28x28x1 inputs."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 8, strides=2, padding="same", activation=activation),
-        keras.layers.MaxPooling2D(2, 1),
-        keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation=activation),
-        keras.layers.MaxPooling2D(2, 1),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation=activation),
-        keras.layers.Dense(10),
-    ])
 
 
 def make_optimizer():

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
 from tf_dp.analysis import GradientGeometry  # noqa: E402
+from _models import tutorial_cnn  # noqa: E402  (examples/_models.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("epochs", 8, "Epochs (of round(N / batch_size) Poisson-sampled steps).")
@@ -62,20 +63,6 @@ flags.DEFINE_string("output_dir", "docs/figures", "Where the two figures go.")
 flags.DEFINE_bool("smoke", False, "A seconds-long run (few examples, 2 epochs) for tests.")
 
 LAYERS = ("conv1", "conv2", "dense", "logits")
-
-
-def tutorial_cnn():
-    """The TF Privacy tutorial CNN (26,010 parameters), tanh as in Papernot et al. 2020."""
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="tanh", name="conv1"),
-        keras.layers.MaxPool2D(2, 1),
-        keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="tanh", name="conv2"),
-        keras.layers.MaxPool2D(2, 1),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="tanh", name="dense"),
-        keras.layers.Dense(10, name="logits"),
-    ])
 
 
 def _shapes(model):

@@ -7,10 +7,13 @@ supported Keras range stated in setup.py).
 
 Not expressible as a function here: ``tf_dp.keras.dp_model.DPTrainMixin`` overrides Keras'
 private ``Trainer._maybe_symbolic_build`` (Keras averages a peeked distributed batch over
-replicas, which fails for Poisson batches that do not split evenly; no public hook).
+replicas, which fails for Poisson batches that do not split evenly, and under
+MultiWorkerMirroredStrategy; no public hook).
 """
 
 from __future__ import annotations
+
+import tensorflow as tf
 
 
 def all_layers(layer, include_self: bool = True) -> list:
@@ -161,3 +164,27 @@ __all__ = ["added_losses", "all_layers", "analyze_einsum_string", "causal_paddin
            "conv_output_shape", "functional_class", "give_class", "global_seed_generator",
            "is_functional", "loss_tracker", "reshape_into_groups", "seed_generators",
            "sublayers"]
+
+
+# ------------------------------------------------------------------ tf.distribute
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """True for a MultiWorkerMirroredStrategy with more than one worker (no public API tells
+    a one-worker MultiWorkerMirroredStrategy from a real cluster)."""
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def worker_input_context(strategy):
+    """The `tf.distribute.InputContext` `distribute_datasets_from_function` gives this
+    worker's input pipeline (pipeline id = worker id, number of pipelines = of workers)."""
+    return strategy.extended._make_input_context()
+
+
+def num_workers(strategy) -> int:
+    """Workers (processes) of a multi-worker strategy; 1 for every other strategy (public
+    API has only the cluster spec, which counts a chief and evaluators differently)."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return 1
+    return max(1, int(getattr(strategy.extended, "_num_workers", 1)))

@@ -10,6 +10,7 @@ The two-process tests start two workers on localhost ports (tests/keras/_multi_w
 and compare their weights with a one-process run and with the noise worked out by hand.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -33,13 +34,10 @@ _ROOT = os.path.dirname(os.path.dirname(_HERE))
 
 
 def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    with contextlib.ExitStack() as stack:  # all held at once: n distinct ports
+        servers = [stack.enter_context(socket.create_server(("localhost", 0)))
+                   for _ in range(n)]
+        return [server.getsockname()[1] for server in servers]
 
 
 def _run_workers(tmp_path, workers=2):
@@ -114,6 +112,22 @@ def test_noise_is_added_once_for_the_cluster_and_divided_by_the_global_batch(clu
             np.testing.assert_allclose(np.asarray(got, np.float32), w, rtol=1e-5, atol=1e-7)
     std = np.concatenate([np.ravel(r) for r in results[0]["weights"]]).std()
     assert std == pytest.approx(data.SIGMA * data.CLIP / (q * data.NOISE_N), rel=0.1)
+
+
+@pytest.mark.slow
+def test_the_multi_worker_example_runs_two_local_workers(tmp_path):
+    """examples/multi_worker.py --workers=2 --smoke: the launcher starts two workers, they
+    train together and the chief reports epsilon and accuracy."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "examples", "multi_worker.py"), "--workers=2",
+         "--smoke", f"--result={out}"], capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["steps"] == 8
+    assert 0 < result["epsilon"] < 10 and result["test_accuracy"] > 0.1
+    assert "2 workers, 8 steps" in proc.stdout
 
 
 # ------------------------------------------------------------------ in one process

@@ -419,7 +419,7 @@ class DPTrainMixin:
         # global stack, prefixing every later variable path.
         with tf.name_scope("tf_dp_private_step"):
             logs = self._dp_train_step(data)
-        if _in_multi_worker_mode(self.distribute_strategy):
+        if _internals.in_multi_worker_mode(self.distribute_strategy):
             # Keras reduces a multi-worker step's outputs with reduce("MEAN", axis=0), which
             # fails on scalars (keras-team/keras#20585): as [1] vectors they are averaged
             # over all replicas of the cluster into scalars.
@@ -692,18 +692,12 @@ def _regularization_gradients(variables):
 # ------------------------------------------------------------------ multi-worker training
 
 
-def _in_multi_worker_mode(strategy):
-    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-            and strategy.extended._in_multi_worker_mode())
-
-
 def _multi_worker_input_context(model):
     """The worker's `tf.distribute.InputContext` under a multi-worker strategy, else None."""
     strategy = model.distribute_strategy
-    if not _in_multi_worker_mode(strategy):
+    if not _internals.in_multi_worker_mode(strategy):
         return None
-    # The context `distribute_datasets_from_function` gives this worker's input pipeline.
-    return strategy.extended._make_input_context()
+    return _internals.worker_input_context(strategy)
 
 
 def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation_split,

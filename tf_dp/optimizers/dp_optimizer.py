@@ -9,7 +9,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tf_dp import _validation
+from tf_dp import _internals, _validation
 from tf_dp.core import ledger as ledger_lib
 from tf_dp.core import clipping, norm_strategies, private_step, randomness
 
@@ -479,11 +479,7 @@ def _first_replica_on_this_worker(ctx, replica_id):
     """
     if ctx is None:
         return tf.constant(1.0)
-    strategy = ctx.strategy
-    workers = 1
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        workers = max(1, int(getattr(strategy.extended, "_num_workers", 1)))
-    per_worker = max(1, ctx.num_replicas_in_sync // workers)
+    per_worker = max(1, ctx.num_replicas_in_sync // _internals.num_workers(ctx.strategy))
     local = tf.math.floormod(tf.cast(replica_id, tf.int32), per_worker)
     return tf.cast(tf.equal(local, 0), tf.float32)
 

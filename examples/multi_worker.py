@@ -1,0 +1,155 @@
+r"""Private training on several machines: tf.distribute.MultiWorkerMirroredStrategy.
+
+The TF Privacy tutorial CNN on Fashion-MNIST, DP-SGD with Poisson sampling, trained by W
+worker processes. Every worker loads the same arrays; `fit` (tf_dp) makes each worker sample
+only its own shard (rows w, w + W, w + 2W, ...) at q = batch_size / N, so every example is
+drawn with probability q once per step over the cluster. The clipped sums are all-reduced,
+the noise N(0, σ²C²) is added once per global step (by the cluster's first replica), the sum
+is divided by the global expected batch q·N, and every worker's accountant records each step
+once: all workers report the same ε (the chief's is the run's).
+
+On this machine (W local workers on localhost ports, started by this script):
+
+  python examples/multi_worker.py --workers=2                 # ~1 min per epoch on 2 cores
+  python examples/multi_worker.py --workers=2 --smoke          # seconds
+
+On a real cluster, run on each machine i (same flags everywhere but --task_index; or set
+TF_CONFIG yourself and leave --cluster empty):
+
+  python examples/multi_worker.py --cluster=host0:12345,host1:12345 --task_index=0
+  python examples/multi_worker.py --cluster=host0:12345,host1:12345 --task_index=1
+
+One device (replica) per worker: tf_dp refuses more, since each worker's sample goes
+unsplit to its replica. Noise and sampling come from each worker's fresh OS entropy; --seed
+seeds the initial weights only (the same on every worker, as the strategy requires).
+"""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("workers", 2, "Local worker processes to start (ignored with --task_index).")
+flags.DEFINE_string("cluster", None, "Comma-separated host:port of every worker (real clusters).")
+flags.DEFINE_integer("task_index", None, "This worker's index in --cluster (set: run as a worker).")
+flags.DEFINE_integer("threads", 1, "TensorFlow intra-op threads per worker.")
+flags.DEFINE_integer("batch_size", 1024, "Expected logical batch size over the whole cluster.")
+flags.DEFINE_integer("epochs", 3, "Epochs of round(N / batch_size) steps.")
+flags.DEFINE_float("noise_multiplier", 1.1, "Noise multiplier σ.")
+flags.DEFINE_float("l2_norm_clip", 0.12, "Per-example clipping norm C.")
+flags.DEFINE_float("learning_rate", 2.0, "SGD learning rate.")
+flags.DEFINE_float("delta", 1e-5, "δ.")
+flags.DEFINE_integer("seed", 0, "Seeds the initial weights only.")
+flags.DEFINE_string("result", None, "Write the chief's final numbers here as JSON.")
+flags.DEFINE_bool("smoke", False, "A seconds-long run (2,048 examples, 1 epoch).")
+
+
+def _free_ports(n):
+    with contextlib.ExitStack() as stack:  # all held at once: n distinct ports
+        servers = [stack.enter_context(socket.create_server(("localhost", 0)))
+                   for _ in range(n)]
+        return [server.getsockname()[1] for server in servers]
+
+
+def launch():
+    """Starts --workers local workers; prints the chief's output; fails if any worker fails."""
+    cluster = ",".join(f"localhost:{p}" for p in _free_ports(FLAGS.workers))
+    passthrough = [a for a in sys.argv[1:] if not a.startswith(("--workers", "--task_index",
+                                                                "--cluster", "--result"))]
+    procs = []
+    for i in range(FLAGS.workers):
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), f"--cluster={cluster}",
+             f"--task_index={i}", *passthrough,
+             *([f"--result={FLAGS.result}"] if FLAGS.result and i == 0 else [])],
+            stdout=None if i == 0 else subprocess.DEVNULL,
+            stderr=None if i == 0 else subprocess.PIPE, text=True))
+    codes = [p.wait() for p in procs]
+    for i, (p, code) in enumerate(zip(procs, codes)):
+        if code != 0:
+            err = p.stderr.read()[-3000:] if p.stderr is not None else ""
+            raise SystemExit(f"worker {i} exited with {code}\n{err}")
+
+
+def worker():
+    hosts = FLAGS.cluster.split(",") if FLAGS.cluster else None
+    if hosts:
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": hosts},
+                                              "task": {"type": "worker",
+                                                       "index": FLAGS.task_index}})
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # the strategy logs every collective at INFO
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_dp
+    from _models import tutorial_cnn  # examples/_models.py
+
+    tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    chief = FLAGS.task_index in (None, 0)
+    (x, y), (x_test, y_test) = tf_dp.datasets.load("fashion_mnist")
+    if FLAGS.smoke:
+        x, y, x_test, y_test = x[:2048], y[:2048], x_test[:512], y_test[:512]
+        FLAGS.epochs, FLAGS.batch_size = 1, 256
+    x = (x.astype("float32") / 255.0)[..., None]
+    x_test = (x_test.astype("float32") / 255.0)[..., None]
+    keras.utils.set_random_seed(FLAGS.seed)  # initial weights only: the same on every worker
+    with strategy.scope():
+        model = tf_dp.keras.make_private(tutorial_cnn("tanh"), delta=FLAGS.delta)
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=FLAGS.l2_norm_clip,
+                                            noise_multiplier=FLAGS.noise_multiplier,
+                                            learning_rate=FLAGS.learning_rate, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    epoch_seconds = []
+
+    class _EpochTimes(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_seconds.append(time.time() - self.start)
+
+    start = time.time()
+    history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
+                        verbose=2 if chief else 0, callbacks=[_EpochTimes()])
+    seconds = time.time() - start
+    steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    # Evaluation outside the strategy's collectives: every worker holds the same weights.
+    logits = model.predict(x_test, batch_size=1024, verbose=0)
+    accuracy = float(np.mean(np.argmax(logits, axis=-1) == y_test))
+    result = {"worker": FLAGS.task_index, "workers": strategy.num_replicas_in_sync,
+              "steps": steps, "seconds": seconds, "epoch_seconds": epoch_seconds,
+              "epsilon": model.epsilon(),
+              "test_accuracy": accuracy, "loss": history.history["loss"][-1]}
+    if chief:
+        print(f"{strategy.num_replicas_in_sync} workers, {steps} steps in {seconds:.0f} s "
+              f"({1000 * seconds / max(steps, 1):.0f} ms/step incl. tracing): test accuracy "
+              f"{accuracy:.4f}, epsilon {result['epsilon']:.3f} at delta {FLAGS.delta:g}",
+              flush=True)
+    if FLAGS.result:
+        with open(FLAGS.result, "w") as f:
+            json.dump(result, f)
+
+
+def main(argv):
+    del argv
+    if FLAGS.task_index is None and not os.environ.get("TF_CONFIG"):
+        launch()
+    else:
+        worker()
+
+
+if __name__ == "__main__":
+    app.run(main)
