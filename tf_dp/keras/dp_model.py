@@ -238,6 +238,7 @@ class DPTrainMixin:
             warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
         self._dp_check_model(x, y, sample_weight)
         k = opt.accumulation_steps
+        self._dp_without_xla_where_it_aborts(k)
         schedule = batch_size if isinstance(batch_size, PiecewiseBatchSize) else None
         if schedule is not None:
             batch_size = None
@@ -366,12 +367,30 @@ class DPTrainMixin:
                 f"tf_dp: another step would exceed the target epsilon {self.target_epsilon:g} "
                 f"at delta {self.privacy_delta:g}; not training.")
         self._dp_check_model(x, y, sample_weight)
+        self._dp_without_xla_where_it_aborts(opt.accumulation_steps)
         self._dp_set_sampling(None, 1.0, poisson=False)
         try:
             return super().train_on_batch(x, y, sample_weight=sample_weight,
                                           class_weight=class_weight, return_dict=return_dict)
         finally:
             self._dp_drain()
+
+    def _dp_without_xla_where_it_aborts(self, accumulation_steps):
+        """``jit_compile=False`` (said once) for a step with a micro-batch loop: XLA cannot
+        compile the loop over a Poisson batch's dynamic size and aborts the whole process
+        (a CHECK failure in literal.cc, TF 2.21), which no exception handler catches."""
+        looped = accumulation_steps > 1 or getattr(self, "_dp_max_rows", None) is not None
+        if not (looped and self.jit_compile):
+            return
+        self.jit_compile = False
+        self.train_function = None
+        if not getattr(self, "_dp_xla_warned", False):
+            self._dp_xla_warned = True
+            warnings.warn(
+                "tf_dp: jit_compile=True is not used for this model: XLA cannot compile the "
+                "private step's micro-batch loop (gradient_accumulation_steps > 1 or "
+                "max_physical_batch_size) and would abort the process; training runs "
+                "without XLA.", UserWarning, stacklevel=3)
 
     def _dp_check_model(self, x, y, sample_weight):
         """Before training: refuses layers that mix examples (a generic check on rows of the

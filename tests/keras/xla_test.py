@@ -1,0 +1,96 @@
+"""jit_compile=True (XLA) for the private step: compiled where XLA can, said once and run
+without where it would abort the process (the micro-batch loop), and the noise still there."""
+
+import math
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+
+pytestmark = pytest.mark.filterwarnings("ignore:tf_dp. training on a dataset of fixed")
+
+
+def _cnn():
+    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
+                             keras.layers.Flatten(), keras.layers.Dense(10)])
+
+
+def _data(n=96):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 8, 8, 1)).astype("float32"), rng.integers(0, 10, n)
+
+
+def _compiled(model, **optimizer_args):
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                        **optimizer_args),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["auto", pytest.param("jl", marks=pytest.mark.slow)])
+def test_the_private_step_compiles_with_xla(strategy):
+    x, y = _data()
+    extra = {"norm_strategy": tf_dp.JL(3)} if strategy == "jl" else {}
+    model = _compiled(tf_dp.keras.make_private(_cnn()), **extra)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*jit_compile")
+        warnings.filterwarnings("ignore", message=".*JL norms cost")
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert model.jit_compile is True
+    assert np.isfinite(history.history["loss"][-1])
+    assert model.accountant.steps == 3
+
+
+@pytest.mark.parametrize("memory", [
+    {"gradient_accumulation_steps": 2},
+    pytest.param({"max_physical_batch_size": 16}, marks=pytest.mark.slow)])
+def test_the_micro_batch_loop_runs_without_xla_and_says_so_once(memory):
+    # XLA aborts the whole process on this loop (a CHECK failure, no exception): without the
+    # guard this test does not fail, it kills the test process.
+    x, y = _data()
+    optimizer_args = {k: v for k, v in memory.items() if k == "gradient_accumulation_steps"}
+    fit_args = {k: v for k, v in memory.items() if k == "max_physical_batch_size"}
+    model = _compiled(tf_dp.keras.make_private(_cnn()), **optimizer_args)
+    with pytest.warns(UserWarning, match="jit_compile=True is not used"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, **fit_args)
+    assert model.jit_compile is False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*jit_compile")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, **fit_args)  # said once
+    k = memory.get("gradient_accumulation_steps", 1)
+    assert model.accountant.steps == 2 * round(len(x) / (32 * k))  # two fits of N/(B k) steps
+
+
+def _zero_loss(y_true, y_pred):
+    return 0.0 * tf.reduce_sum(y_pred, axis=-1)
+
+
+def test_xla_keeps_the_noise_at_sigma_c_over_the_batch():
+    """Zero loss: the update is the noise alone, N(0, (σC / B)²) per coordinate, also when
+    XLA compiles the step (a constant-folded or dropped random op would show here)."""
+    clip, sigma, batch = 1.0, 2.0, 8
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(batch, 150)).astype("float32")
+    y = np.zeros((batch, 140), np.float32)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((150,)),
+                                                       keras.layers.Dense(140)]))
+    model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
+    model.compile(optimizer=tf_dp.DPSGD(clip, sigma, learning_rate=1.0), loss=_zero_loss,
+                  jit_compile=True)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    model.fit(ds, epochs=1, verbose=0, dataset_size=batch)
+    assert model.jit_compile is True
+    update = np.concatenate([w.ravel() for w in model.get_weights()])
+    std, n = sigma * clip / batch, update.size
+    assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std
+    assert abs(update.mean()) < 5 * std / math.sqrt(n)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
