@@ -138,10 +138,18 @@ def one_run_epsilon_lower_bound(num_canaries: int, num_guesses: int, num_correct
 
     if not rejected(0.0):
         return 0.0
+    # 1e4: no finite claim survives (e.g. perfect guesses with δ = 0 and huge r).
+    return _largest_rejected(rejected, tolerance, cap=1e4)
+
+
+def _largest_rejected(rejected, tolerance: float, cap: float) -> float:
+    """The largest x (rounded down to ``tolerance``) with ``rejected(x)`` true, for a
+    ``rejected`` that holds at 0 and is monotone (true up to a point, false beyond):
+    doubling, then bisection; ``inf`` if it still holds beyond ``cap``."""
     lo, hi = 0.0, 1.0
     while rejected(hi):
         lo, hi = hi, 2.0 * hi
-        if hi > 1e4:  # no finite claim survives (e.g. perfect guesses with δ = 0 and huge r)
+        if hi > cap:
             return math.inf
     while hi - lo > tolerance:
         mid = 0.5 * (lo + hi)

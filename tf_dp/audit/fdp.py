@@ -222,18 +222,11 @@ def one_run_gdp_lower_bound(num_canaries: int, num_guesses: int, num_correct: in
 
     if v == 0 or not rejected(0.0):
         return {"mu": 0.0, "epsilon": 0.0}
-    lo, hi = 0.0, 1.0
-    while rejected(hi):
-        lo, hi = hi, 2.0 * hi
-        if hi > 64:  # μ = 64 is ε in the thousands; no audit of this size reaches it
-            return {"mu": math.inf, "epsilon": math.inf}
-    while hi - lo > tolerance:
-        mid = 0.5 * (lo + hi)
-        if rejected(mid):
-            lo = mid
-        else:
-            hi = mid
-    return {"mu": lo, "epsilon": gdp_epsilon(lo, bounds._delta(delta)) if lo > 0 else 0.0}
+    # μ = 64 is ε in the thousands; no audit of this size reaches it.
+    mu = bounds._largest_rejected(rejected, tolerance, cap=64)
+    if math.isinf(mu):
+        return {"mu": math.inf, "epsilon": math.inf}
+    return {"mu": mu, "epsilon": gdp_epsilon(mu, bounds._delta(delta)) if mu > 0 else 0.0}
 
 
 def one_run_gdp_from_scores(scores, included, delta: float = 1e-5, confidence: float = 0.95,

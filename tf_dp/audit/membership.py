@@ -145,15 +145,7 @@ def lira_offline_scores(target_logits, shadow_logits, shadow_in) -> np.ndarray:
       shadow_logits: (k, n) the same under k shadow models.
       shadow_in: (k, n) booleans, whether shadow j trained on example i.
     """
-    t = np.asarray(target_logits, np.float64).reshape(-1)
-    s = np.asarray(shadow_logits, np.float64)
-    inside = np.asarray(shadow_in)
-    if s.ndim != 2 or s.shape[1] != t.size:
-        raise ValueError(f"`shadow_logits` must have shape (shadows, {t.size}), got "
-                         f"{s.shape}.")
-    if inside.shape != s.shape or inside.dtype != bool:
-        raise ValueError(f"`shadow_in` must be booleans of shape {s.shape}, got "
-                         f"{inside.dtype} {inside.shape}.")
+    t, s, inside = _shadow_arrays(target_logits, shadow_logits, shadow_in)
     out = ~inside
     counts = out.sum(axis=0)
     if np.any(counts < 2):
@@ -164,6 +156,20 @@ def lira_offline_scores(target_logits, shadow_logits, shadow_in) -> np.ndarray:
     # A global floor keeps an example whose shadows agree exactly from dominating.
     sd = np.sqrt(np.maximum(var, max(float(np.median(var)), 1e-12) * 1e-2))
     return (t - mu) / sd
+
+
+def _shadow_arrays(target_logits, shadow_logits, shadow_in):
+    """(target (n,), shadows (k, n), shadow_in (k, n) bool) as arrays, shapes checked."""
+    t = np.asarray(target_logits, np.float64).reshape(-1)
+    s = np.asarray(shadow_logits, np.float64)
+    inside = np.asarray(shadow_in)
+    if s.ndim != 2 or s.shape[1] != t.size:
+        raise ValueError(f"`shadow_logits` must have shape (shadows, {t.size}), got "
+                         f"{s.shape}.")
+    if inside.shape != s.shape or inside.dtype != bool:
+        raise ValueError(f"`shadow_in` must be booleans of shape {s.shape}, got "
+                         f"{inside.dtype} {inside.shape}.")
+    return t, s, inside
 
 
 def lira_online_scores(target_logits, shadow_logits, shadow_in,
@@ -185,15 +191,7 @@ def lira_online_scores(target_logits, shadow_logits, shadow_in,
         variances), as Carlini et al. recommend with few shadow models (their §VI-B: with
         under ~64 shadows per-example variances are too noisy); False: per example.
     """
-    t = np.asarray(target_logits, np.float64).reshape(-1)
-    s = np.asarray(shadow_logits, np.float64)
-    inside = np.asarray(shadow_in)
-    if s.ndim != 2 or s.shape[1] != t.size:
-        raise ValueError(f"`shadow_logits` must have shape (shadows, {t.size}), got "
-                         f"{s.shape}.")
-    if inside.shape != s.shape or inside.dtype != bool:
-        raise ValueError(f"`shadow_in` must be booleans of shape {s.shape}, got "
-                         f"{inside.dtype} {inside.shape}.")
+    t, s, inside = _shadow_arrays(target_logits, shadow_logits, shadow_in)
     least = 1 if global_variance else 2
     loglik = []
     for mask, name in ((inside, "IN"), (~inside, "OUT")):
