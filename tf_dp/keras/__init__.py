@@ -1,6 +1,8 @@
 """Private Keras models: ``make_private(model)``, ``DPSequential``, ``DPModel``,
-``load_model`` for saved private models and ``validate(model, fix=...)``."""
+``load_model`` for saved private models, ``validate(model, fix=...)`` and ``BudgetJournal``
+(the spent budget written ahead of every step, for restarts after a crash)."""
 
+from tf_dp.keras.budget_journal import BudgetJournal
 from tf_dp.keras.dp_model import (DPModel, DPSequential, DPTrainMixin, make_private,
                                   private_subclass)
 from tf_dp.keras.validate import Finding, validate
@@ -57,5 +59,5 @@ def _private_bases(filepath):
     return found
 
 
-__all__ = ["DPModel", "DPSequential", "DPTrainMixin", "Finding", "load_model", "make_private",
+__all__ = ["BudgetJournal", "DPModel", "DPSequential", "DPTrainMixin", "Finding", "load_model", "make_private",
            "validate"]

@@ -48,6 +48,8 @@ class PrivacyBudget:
         self.exact_clipping_accountant = PrivacyAccountant()
         self.lineage = os.urandom(8).hex()
         self.caveats: set = set()
+        #: what happened to the record (e.g. a recovery from a budget journal), in order.
+        self.notes: list = []
 
     # -- spending ------------------------------------------------------------------------
 
@@ -112,6 +114,7 @@ class PrivacyBudget:
         report["not_covered"] = list(NOT_COVERED)
         if clipping is not None:
             report["clipping"] = clipping
+        report["notes"] = list(self.notes)
         return report
 
     def _rdp_epsilon(self):
@@ -149,6 +152,8 @@ class PrivacyBudget:
         lines.append(f"  the guarantee {verdict}")
         for caveat in r["caveats"]:
             lines.append(f"  caveat: {caveat}")
+        for note in r["notes"]:
+            lines.append(f"  note: {note}")
         lines.append("  not covered: " + "; ".join(r["not_covered"]))
         return "\n".join(lines)
 
@@ -207,7 +212,8 @@ class PrivacyBudget:
         return {"privacy_delta": self.delta, "target_epsilon": self.target_epsilon,
                 "accountant": self.accountant.get_config(),
                 "exact_clipping_accountant": self.exact_clipping_accountant.get_config(),
-                "lineage": self.lineage, "caveats": sorted(self.caveats)}
+                "lineage": self.lineage, "caveats": sorted(self.caveats),
+                "notes": list(self.notes)}
 
     @classmethod
     def from_config(cls, config: dict) -> "PrivacyBudget":
@@ -219,6 +225,7 @@ class PrivacyBudget:
             config.get("exact_clipping_accountant") or {})
         budget.lineage = config.get("lineage") or budget.lineage
         budget.caveats = set(config.get("caveats") or ())
+        budget.notes = list(config.get("notes") or ())
         return budget
 
     def merge(self, saved: dict) -> None:
@@ -250,6 +257,34 @@ class PrivacyBudget:
                              sampling_probability=p.sampling_probability,
                              num_projections=p.num_projections, count=p.count)
         self.caveats = caveats
+        self.notes += [n for n in theirs.notes if n not in self.notes]
+
+    def adopt_journal(self, record: dict, path: str = "the budget journal"):
+        """Takes in a budget journal (``tf_dp.keras.budget_journal``): its record as a saved
+        budget (``merge``), then its in-flight steps, counted as spent unless this budget
+        already went past the journal's record in this process (then the ledger knew whether
+        they were applied). Returns the note added, if any."""
+        base = record["budget"]
+        self.merge(base)
+        flight = record.get("in_flight")
+        mine = self.accountant.get_config()["phases"]
+        if not flight or mine != base["accountant"]["phases"]:
+            return None
+        count = int(flight["count"])
+        sigma, q, r = (flight["noise_multiplier"], flight["sampling_probability"],
+                       flight["num_projections"])
+        self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
+                             num_projections=r, count=count)
+        if r is not None:
+            self.exact_clipping_accountant.step(noise_multiplier=sigma,
+                                                sampling_probability=q, count=count)
+        note = (f"resumed after an interruption: {path} recorded "
+                f"{self.accountant.steps - count} steps spent and {count} step(s) under way "
+                "when the process stopped; the budget covers all of them (a step under way "
+                "may not have been applied: it is counted as spent), including any applied "
+                "after the last backup, which the restart trains again with fresh noise.")
+        self.notes.append(note)
+        return note
 
 
 def _is_prefix(shorter, longer):

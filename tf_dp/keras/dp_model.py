@@ -14,6 +14,7 @@ from tf_dp.core import losses as losses_lib
 from tf_dp.core import carriers, clipping, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.budget import PrivacyBudget
+from tf_dp.keras.budget_journal import journals_for
 from tf_dp.schedules import PiecewiseBatchSize
 from tf_dp.keras.privacy_callback import PrivacyCallback
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
@@ -233,6 +234,12 @@ class DPTrainMixin:
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
         self._dp_drain()
+        callbacks = list(callbacks or [])
+        # Before anything is computed from the spent budget: the steps a killed process
+        # applied after its last backup are in its budget journal (write-ahead record).
+        journals = journals_for(callbacks)
+        for journal in journals:
+            journal.recover(self)
         if opt.seeded:
             self._dp_caveat(_SEEDED_CAVEAT)
             warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
@@ -347,12 +354,20 @@ class DPTrainMixin:
             fit_args["x"] = fit_args["x"].map(lambda batch, phase: (batch, tf.reshape(phase, [1])))
         self._dp_set_sampling(expected, q, poisson=poisson)
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
-        callbacks = [privacy] + list(callbacks or [])
+        in_flight = (max((opt.mechanism(p) for p in q), key=lambda m: m[1]) if scheduled
+                     else opt.mechanism(q))
+        for journal in journals:
+            journal.arm(in_flight)
+        # The journals last: their first write follows BackupAndRestore's restore.
+        callbacks = ([privacy] + [c for c in callbacks if c not in journals]
+                     + [j for j in journals])
         try:
             return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
                                validation_data=validation_data, **fit_args, **kwargs)
         finally:
             self._dp_drain()
+            for journal in journals:
+                journal.settle()
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
