@@ -19,6 +19,16 @@ TF_CONFIG yourself and leave --cluster empty):
   python examples/multi_worker.py --cluster=host0:12345,host1:12345 --task_index=0
   python examples/multi_worker.py --cluster=host0:12345,host1:12345 --task_index=1
 
+Faults: with --backup_dir every worker keeps a keras BackupAndRestore in its own
+<backup_dir>/worker<i> (Keras 3's has no multi-worker logic), and fit keeps the budget
+journal there (the spent budget written ahead of every step). When a worker dies, the
+launcher kills the others and restarts the job (--max_restarts); training resumes from the
+last backup, with a budget that covers every step applied before the crash, and the chief
+says so. --simulate_fault_at=K makes the last worker SIGKILL itself after step K, once:
+
+  python examples/multi_worker.py --workers=2 --smoke --backup_dir=/tmp/mw --save_every=3 \
+      --simulate_fault_at=5 --max_restarts=1
+
 One device (replica) per worker: tf_dp refuses more, since each worker's sample goes
 unsplit to its replica. Noise and sampling come from each worker's fresh OS entropy; --seed
 seeds the initial weights only (the same on every worker, as the strategy requires).
@@ -27,6 +37,7 @@ seeds the initial weights only (the same on every worker, as the strategy requir
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +59,13 @@ flags.DEFINE_float("delta", 1e-5, "δ.")
 flags.DEFINE_integer("seed", 0, "Seeds the initial weights only.")
 flags.DEFINE_string("result", None, "Write the chief's final numbers here as JSON.")
 flags.DEFINE_bool("smoke", False, "A seconds-long run (2,048 examples, 1 epoch).")
+flags.DEFINE_string("backup_dir", None, "BackupAndRestore (and budget journal) root; each "
+                    "worker uses <backup_dir>/worker<i>.")
+flags.DEFINE_integer("save_every", None, "Back up every this many steps (default: each epoch).")
+flags.DEFINE_integer("max_restarts", 0, "Launcher: restart the whole job this many times when "
+                     "a worker dies.")
+flags.DEFINE_integer("simulate_fault_at", None, "The last worker SIGKILLs itself after this "
+                     "step, once per --backup_dir (a demonstration of recovery).")
 
 
 def _free_ports(n):
@@ -58,23 +76,46 @@ def _free_ports(n):
 
 
 def launch():
-    """Starts --workers local workers; prints the chief's output; fails if any worker fails."""
-    cluster = ",".join(f"localhost:{p}" for p in _free_ports(FLAGS.workers))
+    """Starts --workers local workers and prints the chief's output. When a worker dies, kills
+    the others and starts the job again (up to --max_restarts times); fails if that is not
+    enough."""
     passthrough = [a for a in sys.argv[1:] if not a.startswith(("--workers", "--task_index",
                                                                 "--cluster", "--result"))]
-    procs = []
-    for i in range(FLAGS.workers):
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), f"--cluster={cluster}",
-             f"--task_index={i}", *passthrough,
-             *([f"--result={FLAGS.result}"] if FLAGS.result and i == 0 else [])],
-            stdout=None if i == 0 else subprocess.DEVNULL,
-            stderr=None if i == 0 else subprocess.PIPE, text=True))
-    codes = [p.wait() for p in procs]
-    for i, (p, code) in enumerate(zip(procs, codes)):
-        if code != 0:
-            err = p.stderr.read()[-3000:] if p.stderr is not None else ""
+    for attempt in range(FLAGS.max_restarts + 1):
+        cluster = ",".join(f"localhost:{p}" for p in _free_ports(FLAGS.workers))
+        procs = []
+        for i in range(FLAGS.workers):
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), f"--cluster={cluster}",
+                 f"--task_index={i}", *passthrough,
+                 *([f"--result={FLAGS.result}"] if FLAGS.result and i == 0 else [])],
+                stdout=None if i == 0 else subprocess.DEVNULL,
+                stderr=None if i == 0 else subprocess.PIPE, text=True))
+        failed = _wait_for_all_or_first_failure(procs)
+        if failed is None:
+            return
+        i, code = failed
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # the survivors would wait forever in the next all-reduce
+            p.wait()
+        err = procs[i].stderr.read()[-3000:] if procs[i].stderr is not None else ""
+        if attempt == FLAGS.max_restarts:
             raise SystemExit(f"worker {i} exited with {code}\n{err}")
+        print(f"launcher: worker {i} exited with {code}; restarting the job "
+              f"({attempt + 1} of {FLAGS.max_restarts})", flush=True)
+
+
+def _wait_for_all_or_first_failure(procs):
+    """None when every worker exited 0, else (index, exit code) of the first that failed."""
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                return i, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.5)
 
 
 def worker():
@@ -114,6 +155,21 @@ def worker():
                       metrics=["accuracy"])
     epoch_seconds = []
 
+    class _FaultOnce(keras.callbacks.Callback):
+        """SIGKILLs this worker right after step `at` (no cleanup: a lost machine), once."""
+
+        def __init__(self, at, marker):
+            super().__init__()
+            self.at, self.marker = at, marker
+
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            if step == self.at and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                print(f"worker {FLAGS.task_index}: simulated fault after step {step}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
     class _EpochTimes(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.start = time.time()
@@ -121,9 +177,19 @@ def worker():
         def on_epoch_end(self, epoch, logs=None):
             epoch_seconds.append(time.time() - self.start)
 
+    callbacks = [_EpochTimes()]
+    if FLAGS.backup_dir:
+        # Each worker its own directory; fit keeps the budget journal in it.
+        backup = os.path.join(FLAGS.backup_dir, f"worker{FLAGS.task_index or 0}")
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(
+            backup, save_freq=FLAGS.save_every or "epoch"))
+        last = (FLAGS.task_index or 0) == strategy.num_replicas_in_sync - 1
+        if FLAGS.simulate_fault_at and last:
+            callbacks.append(_FaultOnce(FLAGS.simulate_fault_at,
+                                        os.path.join(FLAGS.backup_dir, "fault_simulated")))
     start = time.time()
     history = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-                        verbose=2 if chief else 0, callbacks=[_EpochTimes()])
+                        verbose=2 if chief else 0, callbacks=callbacks)
     seconds = time.time() - start
     steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     # Evaluation outside the strategy's collectives: every worker holds the same weights.
@@ -132,12 +198,16 @@ def worker():
     result = {"worker": FLAGS.task_index, "workers": strategy.num_replicas_in_sync,
               "steps": steps, "seconds": seconds, "epoch_seconds": epoch_seconds,
               "epsilon": model.epsilon(),
-              "test_accuracy": accuracy, "loss": history.history["loss"][-1]}
+              "test_accuracy": accuracy, "loss": history.history["loss"][-1],
+              "budget_steps": model.accountant.steps,
+              "notes": model.privacy_report()["notes"]}
     if chief:
         print(f"{strategy.num_replicas_in_sync} workers, {steps} steps in {seconds:.0f} s "
               f"({1000 * seconds / max(steps, 1):.0f} ms/step incl. tracing): test accuracy "
-              f"{accuracy:.4f}, epsilon {result['epsilon']:.3f} at delta {FLAGS.delta:g}",
-              flush=True)
+              f"{accuracy:.4f}, epsilon {result['epsilon']:.3f} at delta {FLAGS.delta:g} "
+              f"({result['budget_steps']} steps accounted)", flush=True)
+        for note in result["notes"]:
+            print(f"note: {note}", flush=True)
     if FLAGS.result:
         with open(FLAGS.result, "w") as f:
             json.dump(result, f)

@@ -130,6 +130,27 @@ def test_the_multi_worker_example_runs_two_local_workers(tmp_path):
     assert "2 workers, 8 steps" in proc.stdout
 
 
+@pytest.mark.slow
+def test_the_multi_worker_example_recovers_from_a_killed_worker(tmp_path):
+    """--simulate_fault_at=5 --save_every=3: worker 1 SIGKILLs itself after step 5; the
+    launcher restarts the job, which resumes from step 3's backup; the chief's budget covers
+    the 5 applied steps (plus at most the one it had in flight) and the 8 of the new epoch,
+    and it prints the recovery note."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "examples", "multi_worker.py"), "--workers=2",
+         "--smoke", f"--result={out}", f"--backup_dir={tmp_path / 'backup'}",
+         "--save_every=3", "--simulate_fault_at=5", "--max_restarts=1"],
+        capture_output=True, text=True, timeout=1200,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3 + 8  # resumed from the backup at step 3
+    assert 5 + 8 <= result["budget_steps"] <= 6 + 8
+    assert "restarting the job" in proc.stdout
+    assert "note: resumed after an interruption" in proc.stdout
+
+
 # ------------------------------------------------------------------ in one process
 
 
