@@ -9,6 +9,7 @@ call with two of them swapped would silently report a wrong ε; a positional cal
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional, Sequence
 
@@ -236,13 +237,21 @@ def rdp_epsilon_for_phases(phases: Sequence[composition.Phase], delta: float) ->
     import dp_accounting  # local: heavy import, only for this comparison
     from dp_accounting import rdp
 
-    acc = rdp.RdpAccountant()
-    for p in phases:
-        event = dp_accounting.PoissonSampledDpEvent(
-            p.sampling_probability, dp_accounting.GaussianDpEvent(p.noise_multiplier)
-        )
-        acc.compose(event, p.count)
-    return float(acc.get_epsilon(delta))
+    # dp-accounting logs a warning for every fractional order whose series does not converge
+    # (it then leaves the order out, which is sound); for a comparison number that is noise.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        acc = rdp.RdpAccountant()
+        for p in phases:
+            event = dp_accounting.PoissonSampledDpEvent(
+                p.sampling_probability, dp_accounting.GaussianDpEvent(p.noise_multiplier)
+            )
+            acc.compose(event, p.count)
+        return float(acc.get_epsilon(delta))
+    finally:
+        absl_logger.setLevel(level)
 
 
 @_keyword_only
