@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The whole default test suite, as CI runs it (.ci/run):
 #   1. scripts/setup.sh --with-bazel
-#   2. pytest -m "not slow" over tests/, two xdist workers, one file per worker at a time
-#      (--dist loadfile keeps a file's module-level TF state in one process). Measured here on
-#      the suite as it stood (~260 tests, busy machine): 109 s with -n 2 vs 133 s serial.
-#   3. bazel test //... : every test file is also a Bazel py_test (tests/BUILD), run here with
-#      the same "not slow" selection (--test_tag_filters=-slow for files tagged slow in
-#      tests/BUILD, -m "not slow" inside each file), so the targets cannot rot. This runs the
-#      fast suite twice (once per file under Bazel, each file paying its own TensorFlow
-#      start-up): about 2 + 4 minutes here for 15 test files on a busy machine, well inside
-#      the 30-minute budget; Bazel caches passing results, so unchanged targets are not re-run.
-# Exits non-zero if either step fails. Extra arguments go to pytest (e.g. -x, -k name).
+#   2. pytest --collect-only -m "not slow": every test file imports and every test is
+#      collected (a collection error fails here, in seconds, with pytest's message); prints
+#      the number of tests.
+#   3. bazel test //... : every test file is a Bazel py_test (tests/BUILD) that runs pytest
+#      on itself with the same "not slow" selection (--test_tag_filters=-slow for files
+#      tagged slow in tests/BUILD, -m "not slow" inside each file). This is where the tests
+#      run, once each, two files at a time; Bazel caches passing results, so unchanged
+#      targets are not re-run on the same machine.
+#      (Until 2026-11-23 the suite also ran a second time under pytest-xdist first: the same
+#      tests twice, 676 + 898 s of the 1,699 s fresh-clone CI run.)
+# Exits non-zero if either step fails. Extra arguments run pytest itself with them first
+# (e.g. `bash scripts/test.sh -x -k journal`), then Bazel.
 # Slow tests: .venv/bin/python -m pytest -m slow tests   /   bazel test //...
 set -euo pipefail
 
@@ -22,7 +24,12 @@ echo "[test] setup: $((SECONDS - t0)) s"
 status=0
 t1=$SECONDS
 rc=0
-.venv/bin/python -m pytest -m "not slow" -n 2 --dist loadfile -q tests "$@" || rc=$?
+if [[ $# -gt 0 ]]; then
+  .venv/bin/python -m pytest -m "not slow" -n 2 --dist loadfile -q tests "$@" || rc=$?
+else
+  collected=$(.venv/bin/python -m pytest -m "not slow" --collect-only -q tests 2>&1) || rc=$?
+  echo "$collected" | tail -n "$([[ $rc == 0 ]] && echo 1 || echo 40)"
+fi
 echo "[test] pytest: $((SECONDS - t1)) s, exit code $rc"
 if [[ $rc == 5 ]]; then
   echo "[test] FAIL: pytest collected no tests (exit code 5); that is not a pass" >&2

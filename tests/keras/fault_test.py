@@ -123,7 +123,6 @@ def test_a_killed_process_restarted_from_backup_keeps_every_applied_step(tmp_pat
     assert not (tmp_path / "backup" / "worker0").exists()  # Keras removed it after success
 
 
-@pytest.mark.slow  # two clusters of two TensorFlow processes: about a minute
 def test_a_killed_worker_and_the_restarted_cluster_keep_every_applied_step(tmp_path):
     """Two MultiWorkerMirroredStrategy workers; worker 1 is SIGKILLed after step 8, worker 0
     (blocked in the next all-reduce) is killed by the 'scheduler'; both restart from their
