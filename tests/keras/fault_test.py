@@ -236,6 +236,24 @@ def test_a_model_that_trained_past_the_journal_does_not_count_its_flight_twice(t
     assert model.privacy_report()["notes"] == []
 
 
+def test_target_epsilon_sees_the_journal_before_fit_plans_its_steps(tmp_path):
+    """A restart whose journal already spent the target must not train: fit adopts the
+    journal before it computes the steps left (the backup's weights, restored later by
+    BackupAndRestore, would come too late)."""
+    model = _model()
+    x, y = _xy()
+    journal = BudgetJournal(tmp_path)
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[journal])
+    spent = model.epsilon()
+    fresh = make_private(data.linear(), target_epsilon=spent * 0.99)
+    fresh.compile(optimizer=DPSGD(data.CLIP, data.SIGMA, learning_rate=0.1),
+                  loss=data.zero_loss)
+    with pytest.warns(UserWarning, match="is spent"):
+        history = fresh.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                            callbacks=[BudgetJournal(tmp_path)])
+    assert fresh.accountant.steps == 30 and not history.history.get("loss")
+
+
 def test_adopting_never_lowers_the_budget():
     budget = PrivacyBudget()
     budget.accountant.step(noise_multiplier=1.0, sampling_probability=0.1, count=20)
