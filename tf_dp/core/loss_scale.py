@@ -51,6 +51,7 @@ def fixed_loss_scale(model, loss_scale: float = None):
     return DEFAULT_LOSS_SCALE if ghost.computes_in_float16(model) else None
 
 
+@tf.autograph.experimental.do_not_convert
 def scaled_clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                        loss_scale=None, **kwargs) -> private_step.ClippedSum:
     """``private_step.clipped_sum`` of ``loss_scale`` times the per-example loss, unscaled.

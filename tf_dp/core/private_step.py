@@ -42,6 +42,7 @@ def non_finite_policy(model):
     return "zero" if ghost.computes_in_float16(model) else "error"
 
 
+@tf.autograph.experimental.do_not_convert
 def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                 variables=None, norm_strategy="auto", num_projections: int = None,
                 seed=None) -> ClippedSum:
@@ -65,6 +66,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                 variables, seed=seed, non_finite=non_finite_policy(model))
 
 
+@tf.autograph.experimental.do_not_convert
 def gaussian_noise(shapes_dtypes, stddev, seed):
     """Independent N(0, stddev^2) noise for each (shape, dtype), from a stateless seed.
 

@@ -219,6 +219,7 @@ class DPOptimizerMixin:
                 name="tf_dp_adaptive_clip")
             object.__setattr__(self, "_dp_clip_var", var)
 
+    @tf.autograph.experimental.do_not_convert
     def current_clip(self):
         """C of the next step: ``l2_norm_clip`` or, with adaptive clipping, its current
         value (a float64 tensor)."""
@@ -229,6 +230,7 @@ class DPOptimizerMixin:
                                "model, or optimizer.build(variables)) before reading C.")
         return tf.identity(self._dp_clip_var)
 
+    @tf.autograph.experimental.do_not_convert
     def clip_spec(self, variables, clip=None):
         """What ``NormStrategy.clipped_sum`` clips ``variables`` to: C (``clip`` or
         ``current_clip()``), or a per-layer ``ClipSpec``."""
@@ -265,10 +267,12 @@ class DPOptimizerMixin:
             raise RuntimeError(_PLAIN_MODEL_MESSAGE.format(name=type(self).__name__))
         return super().apply(grads, trainable_variables)
 
+    @tf.autograph.experimental.do_not_convert
     def next_jl_seed(self):
         """A fresh secret (2,) seed for one logical step's JL directions."""
         return self._dp_jl.next_seed()
 
+    @tf.autograph.experimental.do_not_convert
     def apply_private(self, clipped_sums, variables, expected_batch_size,
                       sampling_probability=None, carrier=None, extra_gradients=None,
                       clip_count=None, clip=None, gradient_snr=None, phase=None):

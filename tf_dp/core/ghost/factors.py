@@ -82,12 +82,29 @@ class MaterialisedFactors(Factors):
         return tf.reshape(flat, self.variable.shape)
 
 
+#: per-example gradients of at most this many entries may always be materialised for exact
+#: norms when that takes fewer flops (larger ones only when they take no more memory than
+#: the Gram matrices).
+_MATERIALISE_NORMS_MAX_ENTRIES = 1 << 15
+
+
 def _use_ghost(a, g):
-    """Ghost (B*T^2) vs materialised (B*d*p) by static shapes; ghost when T is unknown."""
+    """Ghost (float64 Gram matrices, B*T^2*(d+p), then the weighted sum from the factors,
+    B*T*d*p) vs materialised (B*T*d*p once, then B*d*p), by static shapes; ghost when T is
+    unknown.
+
+    Measured on CPU (docs/step_time.md), a float64 Gram product costs about twice a float32
+    one and the batched per-example product about twice the single product of the weighted
+    sum, so materialising is cheaper when d*p <= 4T(d + p); it is chosen then if its memory
+    is small or no larger than the Gram matrices', and always when T^2 > d*p.
+    """
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
     if t is None or d is None or p is None:
         return True
-    return t * t <= d * p
+    if t * t > d * p:
+        return False
+    cheaper = d * p <= 4 * t * (d + p)
+    return not (cheaper and d * p <= max(_MATERIALISE_NORMS_MAX_ENTRIES, 4 * t * t))
 
 
 #: per-example gradients of at most this many entries per example may be materialised for
@@ -135,13 +152,26 @@ class OuterFactors(Factors):
         self.a, self.g = a, g
         self.per = None
         self.wide = None  # (B,) bool: examples whose weighted sum is formed in float64
-        if options.exact_norms and _use_ghost(a, g):
+        if options.exact_norms and a.shape[1] == 1:
+            self._rank_one_norms()
+        elif options.exact_norms and _use_ghost(a, g):
             self._gram_norms()
         elif options.exact_norms or _materialise_for_projection(a, g,
                                                                 options.num_projections):
             self.per = tf.einsum("btd,btp->bdp", a, g)
             if options.exact_norms:
                 self.sq, self.bound = precision.materialised_norms(self.per)
+
+    def _rank_one_norms(self):
+        # One position (a Dense layer on (B, d) inputs): g_i = a_i g_i^T has norm exactly
+        # ||a_i|| ||g_i|| (no Gram matrix, nothing cancels), and every entry of the weighted
+        # sum is a single product per example (the final products of clip_factors' bound).
+        # (B, d) and (B, p) are small: their squares in float64, exact to ~1e-16.
+        sq_a, upper_a = precision.squared_norms(tf.cast(self.a[:, 0, :], tf.float64))
+        sq_g, upper_g = precision.squared_norms(tf.cast(self.g[:, 0, :], tf.float64))
+        self.sq = sq_a * sq_g
+        # Two float64 roundings (the product and the square root) on top of the bounds.
+        self.bound = tf.sqrt(upper_a * upper_g) * (1.0 + gamma(2, tf.float64))
 
     def _gram_norms(self):
         a, g = self.a, self.g

@@ -163,11 +163,25 @@ def ill_conditioned(norm_bound, slack):
     return slack > _FLOAT32_SUM_MAX_SLACK * norm_bound
 
 
-def _row_sums(ids, g):
-    """``R_t = sum_s [id_s = id_t] g_s``: the row of the per-example gradient token t feeds,
-    and how many tokens feed it."""
-    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
-    return tf.einsum("bts,bsd->btd", same, g), tf.reduce_sum(same, axis=2), same
+def _rows_of(ids):
+    """The distinct (example, id) rows of ``ids`` (B, T): (row of every token (B*T,) int32,
+    number of rows, example of every row, row keys ``example * width + id``, width). A hash
+    of B*T keys: linear in the tokens (the (B, T, T) comparison of equal ids grew as T^2)."""
+    ids = tf.cast(ids, tf.int64)
+    batch, steps = tf.shape(ids, out_type=tf.int64)[0], tf.shape(ids, out_type=tf.int64)[1]
+    width = tf.maximum(tf.reduce_max(ids), 0) + 1  # ids are >= 0 (they index a table)
+    example = tf.repeat(tf.range(batch), steps)
+    keys, row = tf.unique(tf.reshape(ids, [-1]) + example * width, out_idx=tf.int32)
+    return row, tf.size(keys), tf.cast(keys // width, tf.int32), keys, width
+
+
+def _rows_norm(g_flat, row, num_rows, example_of_row, batch):
+    """(estimate, upper bound) per example of ``sqrt(sum_rows ||R||^2)``, ``R`` the sum of
+    the ``g_flat`` (B*T, D) of one row: the norm of the per-example embedding gradient."""
+    sums = tf.math.unsorted_segment_sum(g_flat, row, num_rows)
+    r_sq, r_upper = squared_norms(sums)
+    return (tf.math.unsorted_segment_sum(r_sq, example_of_row, batch),
+            tf.sqrt(tf.math.unsorted_segment_sum(r_upper, example_of_row, batch)))
 
 
 def _width(t):
@@ -175,45 +189,40 @@ def _width(t):
     return t.shape[-1] if t.shape[-1] is not None else -1
 
 
-def _rows_norm(row_sums, count):
-    """(estimate, upper bound) of ``sqrt(sum_t ||R_t||^2 / count_t)``, each row counted once."""
-    batch, steps = tf.shape(row_sums)[0], tf.shape(row_sums)[1]
-    r_sq, r_upper = squared_norms(tf.reshape(row_sums, [batch * steps, _width(row_sums)]))
-    count = tf.cast(count, tf.float64)
-    return (tf.reduce_sum(tf.reshape(r_sq, [batch, steps]) / count, axis=1),
-            tf.sqrt(tf.reduce_sum(tf.reshape(r_upper, [batch, steps]) / count, axis=1)))
-
-
 def embedding_norms(ids, g):
     """Norms of the per-example embedding gradients (rows ``ids[i, t]`` receive ``g[i, t]``).
 
-    Every token's row sum ``R_t`` is formed (B*T^2*D, like the Gram form), and
-    ``||grad||^2 = sum_t ||R_t||^2 / count_t``: a sum of squares, which cannot cancel.
+    The row sums ``R`` of every distinct (example, id) are formed by one segment sum (linear
+    in B*T*D), and ``||grad_i||^2 = sum over example i's rows of ||R||^2``: a sum of squares,
+    which cannot cancel.
 
     Returns (squared norm, upper bound of the norm of what ``weighted_sum`` adds per unit
     weight, (B,) bool of the examples whose sums are formed in float64 (None for float64 g)).
     """
-    row_sums, count, same = _row_sums(ids, g)
-    sq, upper = _rows_norm(row_sums, count)
     batch, steps = tf.shape(g)[0], tf.shape(g)[1]
-    # R_t (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
+    width = _width(g)
+    g_flat = tf.reshape(g, [-1, width])
+    row, num_rows, example_of_row, keys, key_width = _rows_of(ids)
+    sq, upper = _rows_norm(g_flat, row, num_rows, example_of_row, batch)
+    # R (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
     # row: each is off by at most gamma_{T+1} sum_{s in row} ||g_s||, whose norm over rows is
     # `spread` (itself summed in g's dtype, hence the extra gamma).
-    _, g_sq = squared_norms(tf.reshape(g, [batch * steps, _width(g)]))
-    g_norms = tf.cast(tf.reshape(tf.sqrt(g_sq), [batch, steps]), g.dtype)
-    near = tf.cast(tf.einsum("bts,bs->bt", same, g_norms), tf.float64)
-    spread = tf.sqrt(tf.reduce_sum(tf.square(near) / tf.cast(count, tf.float64), axis=1))
+    _, g_sq = squared_norms(g_flat)
+    near = tf.cast(tf.math.unsorted_segment_sum(tf.cast(tf.sqrt(g_sq), g.dtype), row,
+                                                num_rows), tf.float64)
+    spread = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(near), example_of_row, batch))
     slack = 2.0 * gamma(steps + 1, g.dtype) * spread * (1.0 + gamma(steps + 4, g.dtype))
     if g.dtype == tf.float64:
         return sq, upper + slack, None
     wide = ill_conditioned(upper, slack)
-    # Ill-conditioned examples: row sums again in float64, for them only.
-    idx = tf.where(wide)
-    sums64, count64, _ = _row_sums(tf.gather_nd(ids, idx),
-                                   tf.cast(tf.gather_nd(g, idx), tf.float64))
-    sq64, upper64 = _rows_norm(sums64, count64)
-    sq = tf.tensor_scatter_nd_update(sq, idx, sq64)
-    upper = tf.tensor_scatter_nd_update(upper, idx, upper64)
+    # Ill-conditioned examples: row sums again in float64, for their tokens only.
+    tokens = tf.where(tf.repeat(wide, steps))[:, 0]
+    sub_keys, sub_row = tf.unique(tf.gather(keys, tf.gather(row, tokens)), out_idx=tf.int32)
+    sq64, upper64 = _rows_norm(tf.cast(tf.gather(g_flat, tokens), tf.float64), sub_row,
+                               tf.size(sub_keys), tf.cast(sub_keys // key_width, tf.int32),
+                               batch)
+    sq = tf.where(wide, sq64, sq)
+    upper = tf.where(wide, upper64, upper)
     # ... in float64 then, and rounded once to float32.
     slack = tf.where(wide, 2.0 * gamma(steps + 1, tf.float64) * spread, slack)
     return sq, upper + slack, wide
