@@ -28,6 +28,8 @@ def flat_per_example(t):
     """(B, ...) -> (B, n), with n static whenever t's non-batch shape is (a -1 would lose it
     when the batch is unknown)."""
     n = t.shape[1:].num_elements() if t.shape.rank is not None else None
+    if n:  # static and > 0: the batch is the one -1 (fewer graph ops than tf.shape)
+        return t if t.shape.rank == 2 else tf.reshape(t, [-1, n])
     return tf.reshape(t, [tf.shape(t)[0], -1 if n is None else n])
 
 
@@ -62,7 +64,12 @@ def unit_roundoff(dtype) -> float:
 
 
 def gamma(n, dtype):
-    """gamma_n = n u / (1 - n u) as float64 (n may be a tensor); inf when n u >= 1/2."""
+    """gamma_n = n u / (1 - n u) as float64 (n may be a tensor); inf when n u >= 1/2.
+
+    A Python float (the same float64 arithmetic) when n is a Python int: no graph ops."""
+    if isinstance(n, int):
+        nu = float(n) * unit_roundoff(dtype)
+        return nu / (1.0 - nu) if nu < 0.5 else float("inf")
     nu = tf.cast(n, tf.float64) * unit_roundoff(dtype)
     return tf.where(nu < 0.5, nu / (1.0 - nu), tf.constant(float("inf"), tf.float64))
 
@@ -84,7 +91,7 @@ def squared_norms(t):
     if flat.dtype == tf.float64 or n is None or n == 0:
         flat = tf.cast(flat, tf.float64)
         sq = tf.reduce_sum(tf.square(flat), axis=1)
-        size = tf.cast(tf.shape(flat)[1], tf.float64)
+        size = n if n is not None else tf.cast(tf.shape(flat)[1], tf.float64)
         return sq, sq * (1.0 + gamma(size + 1, tf.float64)) + size * 2.0**-1022
     flat = tf.cast(flat, tf.float32)
     k = _block_size(n)
@@ -99,12 +106,13 @@ def squared_norms(t):
         # A division, a square and k-1 additions in float32 per block sum; flushed squares
         # lose less than 2^-126 of top^2 each.
         rel = gamma(k + 1, tf.float32) + n * _FLUSH_FLOAT32
-        return q * tf.square(tf.cast(top, tf.float64))[:, None], rel
+        return q * tf.square(tf.cast(top, tf.float64))[:, None], tf.constant(rel, tf.float64)
 
     q = block_sums(flat)
     # A square and k-1 additions in float32 per block sum.
     q, rel = tf.cond(tf.reduce_all(tf.math.is_finite(q)),
-                     lambda: (tf.cast(q, tf.float64), gamma(k, tf.float32)), rescaled)
+                     lambda: (tf.cast(q, tf.float64), tf.constant(gamma(k, tf.float32),
+                                                                  tf.float64)), rescaled)
     sq = tf.reduce_sum(q, axis=1)
     # n/k block sums in float64; each flushed square loses less than 2^-126.
     rel = rel + gamma(n // k + 1, tf.float64)
@@ -199,7 +207,8 @@ def embedding_norms(ids, g):
     Returns (squared norm, upper bound of the norm of what ``weighted_sum`` adds per unit
     weight, (B,) bool of the examples whose sums are formed in float64 (None for float64 g)).
     """
-    batch, steps = tf.shape(g)[0], tf.shape(g)[1]
+    batch = tf.shape(g)[0]
+    steps = g.shape[1] if g.shape[1] is not None else tf.shape(g)[1]
     width = _width(g)
     g_flat = tf.reshape(g, [-1, width])
     row, num_rows, example_of_row, keys, key_width = _rows_of(ids)
@@ -254,4 +263,6 @@ def weighted_per_example_sum(w, per, drop_non_finite=False):
     per = tf.cast(per, acc)
     if drop_non_finite:
         per = drop_examples(per, w)
+    if per.shape.rank == 2:
+        return tf.linalg.matvec(per, tf.cast(w, acc), transpose_a=True)
     return tf.tensordot(tf.cast(w, acc), per, axes=1)
