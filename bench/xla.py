@@ -7,7 +7,9 @@ For each model, one process builds every configuration twice, compiled with
 of each in turn, bench/step_time.py's method). Configurations: non-private keras Adam,
 DPAdam norm_strategy="auto" (exact ghost), DPAdamJL r=5 (bench/_scaling.py). Ratios are to
 non-private WITHOUT XLA of the same run; "XLA speed-up" is a configuration's time without
-XLA over its time with it. Models as bench/step_time.py (built by bench/_scaling.py).
+XLA over its time with it. The optimizer is built (``model.optimizer.build``) before the XLA
+step is traced: DPAdam's first XLA call otherwise fails to create its slot variables, and so
+does ``fit(..., jit_compile=True)`` (a library bug, docs/scaling.md). Models as bench/step_time.py (built by bench/_scaling.py).
 The first call (tracing + XLA compilation) is reported as well. Each model runs in its own
 worker with a --timeout_s limit (the BiLSTM's XLA compilation can take long).
 
@@ -48,6 +50,12 @@ def _worker(model_name):
         for jit in (False, True):
             name = f"{config}{'+xla' if jit else ''}"
             model = _scaling.compiled_model(spec.build, spec.loss(), config, jit_compile=jit)
+            if jit:
+                # The optimizer's variables must exist before the XLA function is traced: a
+                # DP optimizer with slots (DPAdam, DPAdamJL, DPSGD with momentum) otherwise
+                # fails with "We failed to lift variable creations out of this tf.function"
+                # (so does fit(jit_compile=True) itself; docs/scaling.md, "Bugs").
+                model.optimizer.build(model.trainable_variables)
             x, y = spec.tensors(batch)
             step = _scaling.traced_step(model, x, y, jit_compile=jit)
             t = time.perf_counter()
