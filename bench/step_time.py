@@ -14,8 +14,9 @@ All configurations of a model are built and traced first, then timed round-robin
 each in turn, ``--steps`` rounds), so that the load of a shared machine drifts over all of
 them alike. Steps are traced with an unknown batch dimension, as Poisson-sampled batches are.
 The "first step" column is the wall time of each configuration's first call (tracing, graph
-optimisation and one execution), measured in the same process before any timing, after a
-throw-away non-private model has paid TensorFlow's one-off start-up costs.
+optimisation and one execution), measured in the same process before any timing, after
+throw-away non-private and private models (batch 8) have paid the process's one-off costs
+(printed on their own line).
 
 TensorFlow runs with --threads intra-op and inter-op threads (1 by default: the machine's
 cores are shared, and one thread gives the most stable ratios).
@@ -132,7 +133,12 @@ def main(argv):
     print(f"{'model':12s} {'configuration':14s} {'step (ms)':>10s} {'x non-private':>14s} "
           f"{'first step (s)':>15s} {'x non-private':>14s}")
     for name in FLAGS.models:
-        compiled_step(name, "nonprivate", 8)  # one-off start-up costs, not measured
+        # One-off costs of a process (TensorFlow's start-up; for the private step also the
+        # AutoGraph conversion of the Keras train step): paid by throw-away models of batch 8,
+        # reported on their own line, so the column compares configurations alike.
+        once = [compiled_step(name, c, 8)[3] for c in ("nonprivate", "dp_auto")]
+        print(f"{name:12s} one-off first steps of the process (batch 8): non-private "
+              f"{once[0]:.2f} s, then private {once[1]:.2f} s", flush=True)
         steps = {c: compiled_step(name, c, FLAGS.batch_size) for c in FLAGS.configs}
         times = {c: [] for c in FLAGS.configs}
         for _ in range(FLAGS.steps):

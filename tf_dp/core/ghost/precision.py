@@ -99,20 +99,23 @@ def squared_norms(t):
     def block_sums(x):
         return tf.reduce_sum(tf.square(tf.reshape(x, [-1, n // k, k])), axis=-1)
 
-    def rescaled():
-        top = tf.reduce_max(tf.abs(flat), axis=1)
-        top = tf.where((top > 0) & tf.math.is_finite(top), top, tf.ones_like(top))
-        q = tf.cast(block_sums(flat / top[:, None]), tf.float64)
-        # A division, a square and k-1 additions in float32 per block sum; flushed squares
-        # lose less than 2^-126 of top^2 each.
-        rel = gamma(k + 1, tf.float32) + n * _FLUSH_FLOAT32
-        return q * tf.square(tf.cast(top, tf.float64))[:, None], tf.constant(rel, tf.float64)
-
     q = block_sums(flat)
-    # A square and k-1 additions in float32 per block sum.
-    q, rel = tf.cond(tf.reduce_all(tf.math.is_finite(q)),
-                     lambda: (tf.cast(q, tf.float64), tf.constant(gamma(k, tf.float32),
-                                                                  tf.float64)), rescaled)
+    # Rows whose squares overflow float32 (rare: entries above 1.8e19) are summed again,
+    # rescaled by their largest entry; gathered, without a tf.cond (whose two branch graphs
+    # per weight made up most of the private step's tracing).
+    overflow = tf.logical_not(tf.reduce_all(tf.math.is_finite(q), axis=1))
+    rows = tf.where(overflow)
+    sub = tf.gather_nd(flat, rows)
+    top = tf.reduce_max(tf.abs(sub), axis=1)
+    top = tf.where((top > 0) & tf.math.is_finite(top), top, tf.ones_like(top))
+    q_sub = (tf.cast(block_sums(sub / top[:, None]), tf.float64)
+             * tf.square(tf.cast(top, tf.float64))[:, None])
+    q = tf.tensor_scatter_nd_update(tf.cast(q, tf.float64), rows, q_sub)
+    # A square and k-1 additions in float32 per block sum; rescaled rows: also a division,
+    # and flushed squares lose less than 2^-126 of top^2 each.
+    rel = tf.where(overflow, tf.constant(gamma(k + 1, tf.float32) + n * _FLUSH_FLOAT32,
+                                         tf.float64),
+                   tf.constant(gamma(k, tf.float32), tf.float64))
     sq = tf.reduce_sum(q, axis=1)
     # n/k block sums in float64; each flushed square loses less than 2^-126.
     rel = rel + gamma(n // k + 1, tf.float64)
