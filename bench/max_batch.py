@@ -20,6 +20,8 @@ one step at batch N (TensorFlow profiler memory events: op name, shape, bytes).
   python bench/max_batch.py --models=cnn --configs=nonprivate,ghost
   python bench/max_batch.py --models=cnn --breakdown_batch=1024
   python bench/max_batch.py --models=cnn --fixes=late_patches,gram_chunks   # prototypes
+  python bench/max_batch.py --models=cnn --fixes=late_patches,gram_chunks,jl_no_materialise \
+      --time_fixes_batch=256        # step time with and without the prototypes
 """
 
 import json
@@ -44,6 +46,9 @@ flags.DEFINE_integer("breakdown_batch", 0, "If > 0: tensors alive at the peak at
 flags.DEFINE_integer("same_batch", 1024, "Batch at which the table compares step peaks.")
 flags.DEFINE_list("fixes", [], "Prototype fixes to apply (bench/_memory_fixes.py): "
                   "gram_chunks, late_patches, jl_no_materialise. Measurement only.")
+flags.DEFINE_integer("time_fixes_batch", 0, "If > 0: instead, time each configuration with "
+                     "and without --fixes round-robin in one process at this batch.")
+flags.DEFINE_integer("rounds", 15, "Round-robin rounds of --time_fixes_batch.")
 flags.DEFINE_string("json_out", "", "Write all results to this JSON file.")
 flags.DEFINE_string("worker", "", "Internal: '<model>:<config>'.")
 flags.DEFINE_string("out", "", "Internal: the worker's result file.")
@@ -61,8 +66,37 @@ def _forwarded(model):
             f"--bilstm_start={start}", f"--fixes={','.join(FLAGS.fixes)}"]
 
 
+def _time_fixes_worker(model):
+    """Every configuration traced without, then with, the prototype fixes (they act at
+    tracing time), then all timed round-robin."""
+    import _memory_fixes
+
+    _scaling.set_threads()
+    spec = SPECS[model]
+    res = _scaling.Results(FLAGS.out, model=model, batch=FLAGS.time_fixes_batch,
+                           fixes=FLAGS.fixes)
+    steps = {}
+    for patched in (False, True):
+        if patched:
+            _memory_fixes.apply(FLAGS.fixes)
+        for config in FLAGS.configs:
+            m = _scaling.compiled_model(spec.build, spec.loss(), config)
+            x, y = spec.tensors(FLAGS.time_fixes_batch)
+            steps[config + ("+fixes" if patched else "")] = (_scaling.traced_step(m, x, y), x, y)
+    load0 = os.getloadavg()
+    med, times = _scaling.round_robin(steps, FLAGS.rounds)
+    res.set(median_s=med, times=times, load_start=load0, load_end=os.getloadavg())
+
+
+def _load(v):
+    return "/".join(f"{x:.1f}" for x in v) if v else "?"
+
+
 def main(argv):
     del argv
+    if FLAGS.worker.startswith("timefixes:"):
+        _time_fixes_worker(FLAGS.worker.split(":")[1])
+        return
     if FLAGS.worker:
         model, config = FLAGS.worker.split(":")
         start = FLAGS.cnn_start if model == "cnn" else FLAGS.bilstm_start
@@ -78,6 +112,30 @@ def main(argv):
     results = {}
     for model in FLAGS.models:
         spec = SPECS[model]
+        if FLAGS.time_fixes_batch:
+            r = _scaling.run_worker(script, [f"--worker=timefixes:{model}",
+                                             f"--configs={','.join(FLAGS.configs)}",
+                                             f"--fixes={','.join(FLAGS.fixes)}",
+                                             f"--time_fixes_batch={FLAGS.time_fixes_batch}",
+                                             f"--rounds={FLAGS.rounds}"], bfc=False)
+            med = r.get("median_s", {})
+            base = med.get("nonprivate")
+            print(f"\n{model}, batch {FLAGS.time_fixes_batch}, median of {FLAGS.rounds} rounds, "
+                  f"load average {_load(r.get('load_start'))} -> {_load(r.get('load_end'))}\n"
+                  "| configuration | step (ms) | × non-private | with fixes (ms) | × non-private |"
+                  " fixes' cost |\n|---|---:|---:|---:|---:|---:|")
+            for config in FLAGS.configs:
+                a, b = med.get(config), med.get(config + "+fixes")
+                print(f"| {_scaling.CONFIG_LABELS.get(config, config)} | "
+                      f"{_scaling.fmt(a and a * 1e3, '.1f')} | "
+                      f"{_scaling.fmt(_scaling.ratio(a, base), '.2f')} | "
+                      f"{_scaling.fmt(b and b * 1e3, '.1f')} | "
+                      f"{_scaling.fmt(_scaling.ratio(b, base), '.2f')} | "
+                      f"{_scaling.fmt(_scaling.ratio(b, a), '.2f')} |", flush=True)
+            if r.get("error"):
+                print(f"ERROR {r['error']}")
+            results[model] = r
+            continue
         if FLAGS.breakdown_batch:
             rows = {}
             for config in FLAGS.configs:
