@@ -493,10 +493,14 @@ class DPTrainMixin:
         # One secret draw of JL directions per logical step, shared by its micro-batches.
         jl_seed = opt.next_jl_seed() if opt.num_projections is not None else None
         max_rows = getattr(self, "_dp_max_rows", None)
-        if opt.adaptive_clipping is not None and not opt.built:
-            # Keras builds the optimizer in its first apply; adaptive clipping reads its C
-            # variable before that (created as Keras creates optimizer variables).
-            opt.build(carrier.trainable)
+        if not opt.built:
+            # Keras builds the optimizer in its first apply, inside the traced step. Here it is
+            # built before, out of the trace (init_scope): adaptive clipping reads its C
+            # variable before the apply, and XLA cannot lift variables created inside the
+            # private step's conditionals (DPAdam with jit_compile=True failed: "failed to
+            # lift variable creations").
+            with tf.init_scope():
+                opt.build(carrier.trainable)
         # C of this step, read once: every micro-batch is clipped to it and the noise scaled
         # by it (adaptive clipping moves it only after the step's update).
         clip = opt.current_clip()
