@@ -529,10 +529,14 @@ def memory_worker(spec, config, out, cap_mib, start_batch, max_scan_batch, scan_
                 breakdown_requested=req, breakdown_allocated=alloc,
                 breakdown=[[b, op, shape, n] for b, op, shape, n in top])
         return
-    points = {int(k): tuple(v) for k, v in (known or {}).items()}
+    known = known or {}
+    points = {int(k): tuple(v) for k, v in known.items() if v != "retry"}
+    retry = sorted(int(k) for k, v in known.items() if v == "retry")
     cap = cap_mib * 2**20
-    # From here the watchdog also bounds the search: a batch far over the cap is ended.
-    dog["limit_mb"] = min(safety_mib, status_kb("VmRSS") / 1024.0 + 1.5 * cap_mib + 512)
+    # From here the watchdog also bounds the search: a batch far over the cap is ended. The
+    # margin is wide because the BFC allocator keeps (and fragments) the regions of earlier,
+    # smaller batches: the resident set grows faster than any one step's peak.
+    dog["limit_mb"] = min(safety_mib, status_kb("VmRSS") / 1024.0 + 2.5 * cap_mib + 1024)
 
     def probe(b):
         dog["what"] = f"batch {b}"
@@ -546,6 +550,8 @@ def memory_worker(spec, config, out, cap_mib, start_batch, max_scan_batch, scan_
                 scanning=None)
         return result
 
+    for b in retry:  # ended by the watchdog in an earlier process: measured afresh first
+        points[b] = probe(b)
     lo, hi, points, note = max_batch_search(probe, cap, start_batch, max_scan_batch,
                                             scan_step_s, points=points,
                                             log=lambda s: print(s, flush=True))
@@ -564,14 +570,20 @@ def memory_driver(script, spec, configs, forwarded, cap_mib, attempts=4, log=pri
                                          f"--known={json.dumps(known)}", *forwarded])
             known.update(result.get("points", {}))
             if result.get("returncode") == 3 and result.get("scanning"):
-                # Ended by the watchdog during this batch: it is over the cap.
-                known[str(result["scanning"])] = [float("inf"), 0.0]
-                log(f"  {spec.name} {config}: batch {result['scanning']} ended by the "
-                    "watchdog (over the cap); restarting with what was measured")
+                # Ended by the watchdog during this batch: measured again first in a fresh
+                # process (whose allocator holds no earlier batches' regions); ended twice,
+                # it counts as over the cap.
+                b = str(result["scanning"])
+                again = known.get(b) == "retry"
+                known[b] = [float("inf"), 0.0] if again else "retry"
+                log(f"  {spec.name} {config}: batch {b} ended by the watchdog"
+                    + (" again (over the cap)" if again else "; measuring it afresh")
+                    + ", restarting with what was measured")
                 continue
             break
         result["points"] = known
-        pts = {int(k): tuple(v) for k, v in known.items() if v[0] != float("inf")}
+        pts = {int(k): tuple(v) for k, v in known.items()
+               if v != "retry" and v[0] != float("inf")}
         under = [b for b, v in pts.items() if v[0] <= cap_mib * 2**20]
         result.setdefault("max_batch", max(under, default=None))
         result["fixed_bytes"], result["bytes_per_example"] = linear_fit(pts)
