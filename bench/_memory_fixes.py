@@ -15,9 +15,10 @@ candidate for the library (docs/scaling.md, "Where the memory goes"):
   created under a control dependency on its output gradient (``tf_dp.core.ghost.terms.
   OuterTerm.factors``), so it exists only from the end of the backward pass to its use.
 * ``jl_no_materialise``: JL projections of an outer-product term materialise the per-example
-  gradient (B, d, p) whenever that saves flops and d*p <= 65,536
-  (``tf_dp.core.ghost.factors._MATERIALISE_MAX_ENTRIES``); here only when it takes no more
-  memory than r projected factors (the threshold set to 0).
+  gradient (B, d, p) whenever that saves flops and d*p <= max(65,536, r*T*min(d, p))
+  (``tf_dp.core.ghost.factors._materialise_for_projection``), and keep it until the weighted
+  sum; here never (the factors are projected one direction at a time, so one (B, T,
+  min(d, p)) tensor at a time: the r in that bound overstates their memory r-fold).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _late_patches():
 def _jl_no_materialise():
     from tf_dp.core.ghost import factors
 
-    factors._MATERIALISE_MAX_ENTRIES = 0
+    factors._materialise_for_projection = lambda a, g, num_projections: False
 
 
 _FIXES = {"gram_chunks": _gram_chunks, "late_patches": _late_patches,
