@@ -460,6 +460,8 @@ class DPTrainMixin:
             logs = {key: tf.reshape(value, [1]) for key, value in logs.items()}
         return logs
 
+    @tf.autograph.experimental.do_not_convert  # no tensor-dependent Python control flow;
+    # AutoGraph's conversion of the step was seconds of every process's first trace
     def _dp_train_step(self, data):
         """One logical private step on ``data`` (a logical batch).
 
