@@ -279,6 +279,32 @@ def test_backup_and_restore_gets_a_journal_by_itself(tmp_path):
     assert json.loads(journal.read_text())["in_flight"] is None
 
 
+def test_workers_that_restored_different_states_are_refused(monkeypatch):
+    """Each worker restores its own backup; one killed between two workers' saves leaves
+    them a save apart. The check compares a hash of every weight and optimizer variable over
+    the workers (here the all-gather is replaced: the two-process test runs the real one)."""
+    from tf_dp.keras import budget_journal, dp_model
+
+    model = _model()
+    x, y = _xy()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, steps_per_epoch=1)
+    seen = []
+
+    def gather(strategy, value):
+        seen.append(value)
+        return value + len(seen) - 1, value  # the first call: all equal; then: not
+
+    monkeypatch.setattr(dp_model, "_max_and_min_over_workers", gather)
+    budget_journal._check_workers_restored_the_same_state(model)
+    with pytest.raises(RuntimeError, match="restored different training states"):
+        budget_journal._check_workers_restored_the_same_state(model)
+    assert seen[0] == seen[1]  # the same state hashes alike
+    model.set_weights([w + 1.0 for w in model.get_weights()])
+    with pytest.raises(RuntimeError):
+        budget_journal._check_workers_restored_the_same_state(model)
+    assert seen[2] != seen[0]  # and a different one does not
+
+
 def test_a_shared_or_broken_journal_directory_is_refused(tmp_path):
     x, y = _xy()
     (tmp_path / "tf_dp_budget_journal.worker1.json").write_text("{}")

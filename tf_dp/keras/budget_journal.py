@@ -34,7 +34,6 @@ import os
 import re
 
 import keras
-import tensorflow as tf
 
 from tf_dp import _internals
 
@@ -190,17 +189,10 @@ def _check_workers_restored_the_same_state(model):
     for v in variables:
         digest.update(keras.ops.convert_to_numpy(v).tobytes())
     fingerprint = int.from_bytes(digest.digest()[:7], "big")  # fits an int64
-    strategy = model.distribute_strategy
+    from tf_dp.keras.dp_model import _max_and_min_over_workers  # (imports this module)
 
-    @tf.function
-    def gather():
-        def replica_fn():
-            return tf.distribute.get_replica_context().all_gather(
-                tf.constant([fingerprint], tf.int64), axis=0)
-        return strategy.run(replica_fn)
-
-    every = strategy.experimental_local_results(gather())[0].numpy()
-    if len(set(every.tolist())) > 1:
+    largest, smallest = _max_and_min_over_workers(model.distribute_strategy, fingerprint)
+    if largest != smallest:
         raise RuntimeError(
             "tf_dp: the workers restored different training states (their backups were saved "
             "at different steps: a worker died between two workers' saves). Restore every "
