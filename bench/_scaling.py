@@ -411,6 +411,21 @@ def machine():
             f"{avail / 2**20:.1f} GiB")
 
 
+def load_text(v):
+    """A list of load averages as "1.0/2.0/3.0" ("?" when not recorded)."""
+    return "/".join(f"{x:.1f}" for x in v) if v else "?"
+
+
+def finish(results, json_out):
+    """End of a driver run: the machine's state, and the results as JSON if asked."""
+    import json
+
+    print(machine(), flush=True)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 

@@ -148,7 +148,7 @@ def _timing_table(r):
     med, info = r.get("median_s", {}), r.get("info", {})
     base = med.get("nonprivate")
     lines = [f"step time, batch {FLAGS.batch_size}, median of {FLAGS.rounds} round-robin "
-             f"rounds (load average {_load(r.get('load_start'))} -> {_load(r.get('load_end'))})",
+             f"rounds (load average {_scaling.load_text(r.get('load_start'))} -> {_scaling.load_text(r.get('load_end'))})",
              "| configuration | trainable params | step (ms) | × non-private | first call (s) |",
              "|---|---:|---:|---:|---:|"]
     for config in FLAGS.configs:
@@ -159,10 +159,6 @@ def _timing_table(r):
                      f"{_scaling.fmt(_scaling.ratio(m, base), '.2f')} | "
                      f"{_scaling.fmt(info.get(config, {}).get('first_call_s'), '.1f')} |")
     return "\n".join(lines)
-
-
-def _load(v):
-    return "/".join(f"{x:.1f}" for x in v) if v else "?"
 
 
 def main(argv):
@@ -207,10 +203,7 @@ def main(argv):
             results["memory"] = rows
             print("\n" + _scaling.memory_table(spec, rows, FLAGS.cap_mib, FLAGS.same_batch)
                   + "\n", flush=True)
-    print(_scaling.machine(), flush=True)
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+    _scaling.finish(results, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -88,10 +88,6 @@ def _time_fixes_worker(model):
     res.set(median_s=med, times=times, load_start=load0, load_end=os.getloadavg())
 
 
-def _load(v):
-    return "/".join(f"{x:.1f}" for x in v) if v else "?"
-
-
 def main(argv):
     del argv
     if FLAGS.worker.startswith("timefixes:"):
@@ -121,7 +117,7 @@ def main(argv):
             med = r.get("median_s", {})
             base = med.get("nonprivate")
             print(f"\n{model}, batch {FLAGS.time_fixes_batch}, median of {FLAGS.rounds} rounds, "
-                  f"load average {_load(r.get('load_start'))} -> {_load(r.get('load_end'))}\n"
+                  f"load average {_scaling.load_text(r.get('load_start'))} -> {_scaling.load_text(r.get('load_end'))}\n"
                   "| configuration | step (ms) | × non-private | with fixes (ms) | × non-private |"
                   " fixes' cost |\n|---|---:|---:|---:|---:|---:|")
             for config in FLAGS.configs:
@@ -151,10 +147,7 @@ def main(argv):
             print("\n" + _scaling.memory_table(spec, rows, FLAGS.cap_mib, FLAGS.same_batch)
                   + "\n", flush=True)
         results[model] = rows
-    print(_scaling.machine(), flush=True)
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+    _scaling.finish(results, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def _table(model_name, r):
     base = med.get("nonprivate")
     batch = r.get("batch")
     lines = [f"{model_name}, batch {batch}, median of {FLAGS.rounds} round-robin rounds "
-             f"(load average {_load(r.get('load_start'))} -> {_load(r.get('load_end'))})",
+             f"(load average {_scaling.load_text(r.get('load_start'))} -> {_scaling.load_text(r.get('load_end'))})",
              "| configuration | no XLA (ms) | × non-private | XLA (ms) | × non-private (no XLA) "
              "| × non-private XLA | XLA speed-up | first call no XLA / XLA (s) |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -96,10 +96,6 @@ def _table(model_name, r):
             f"{_scaling.fmt(_scaling.ratio(a, b), '.2f')} | "
             f"{_scaling.fmt(f0, '.1f')} / {_scaling.fmt(f1, '.1f') if not isinstance(f1, str) else f1} |")
     return "\n".join(lines)
-
-
-def _load(v):
-    return "/".join(f"{x:.1f}" for x in v) if v else "?"
 
 
 def main(argv):
