@@ -22,6 +22,8 @@ import pytest
 import scipy.stats
 import tensorflow as tf
 
+import tf_dp
+
 from tf_dp.core import build_per_example_loss, clipped_sum, gaussian_noise
 from tf_dp.core.randomness import seeded_draw  # noqa: E402
 from tf_dp.data import PoissonSampler
@@ -327,6 +329,51 @@ def test_fit_with_accumulation_adds_noise_once_per_logical_step(use_sampler):
         noise = gaussian_noise(shapes, sigma * clip, seeded_draw(seed, "noise", step))
         want = np.concatenate([-z.numpy().ravel() / expected for z in noise])
         np.testing.assert_allclose(update, want, rtol=1e-5, atol=1e-7)
+
+
+def _ancestor_ops(op):
+    """Every op ``op`` waits for: data inputs and control inputs, transitively."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_noise_is_drawn_after_the_clipped_sums_it_is_added_to():
+    """Memory, not privacy: the noise depends on no data, so unless it waits for the clipped
+    sums a graph executor may draw every variable's noise before the backward pass and hold
+    it through the peak (docs/scaling.md 3 (d)). Every noise draw of the traced private step
+    must have the batch among its ancestors; drawing it without ``after`` fails this."""
+    model = make_private(keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                           keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                         learning_rate=0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([None, 5]), tf.TensorSpec([None, 2]))).graph
+    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomNormalV2"]
+    assert sorted(tuple(op.outputs[0].shape) for op in draws) == sorted(
+        tuple(v.shape) for v in model.trainable_variables)
+    batch = {t.op for t in graph.inputs[:2]}
+    assert all(op.type == "Placeholder" for op in batch)
+    for op in draws:
+        assert batch & _ancestor_ops(op), f"{op.name} may run before the step reads its batch"
+
+
+def test_gaussian_noise_after_changes_when_not_what_is_drawn():
+    shapes = [((30, 3), tf.float32), ((3,), tf.float64)]
+    seed = tf.constant([9, 4], tf.int64)
+    plain = gaussian_noise(shapes, 0.5, seed)
+    ordered = tf.function(lambda s: gaussian_noise(shapes, 0.5, s, after=[tf.ones(2), None]))(
+        seed)
+    for u, v in zip(plain, ordered):
+        np.testing.assert_array_equal(u.numpy(), v.numpy())
+    with pytest.raises(ValueError, match="`after`"):
+        gaussian_noise(shapes, 0.5, seed, after=[tf.ones(2)])
 
 
 if __name__ == "__main__":

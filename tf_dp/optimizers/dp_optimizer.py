@@ -338,7 +338,8 @@ class DPOptimizerMixin:
         seed = self._dp_noise.next_seed() if self.noise_multiplier > 0 else None
         if seed is not None:
             stddev = clipping.as_float64(sigma) * clipping.as_float64(clip)
-            noise = private_step.gaussian_noise(shapes, tf.cast(stddev, tf.float32), seed)
+            noise = private_step.gaussian_noise(shapes, tf.cast(stddev, tf.float32), seed,
+                                                after=clipped_sums)
             noise = [n * tf.cast(first_replica, n.dtype) for n in noise]
         else:
             noise = [tf.zeros(s, d) for s, d in shapes]
