@@ -20,6 +20,7 @@ import tensorflow as tf
 from tf_dp import _validation
 from tf_dp.core import clipping, ghost, jl, vmap
 from tf_dp.core.ghost import FactorOptions, MaterialisedFactors
+from tf_dp.core.ghost.factors import EmbeddingFactors
 
 
 @dataclasses.dataclass
@@ -129,9 +130,12 @@ def _handle(variable):
 
 def _vectorized_factors(batch: _Batch, variables, options: FactorOptions):
     per_ex, losses, y_pred = vmap.per_example_gradients(
-        batch.model, batch.per_example_loss, batch.x, batch.y, batch.sample_weight, variables)
-    return {id(v): MaterialisedFactors(v, g, options) for v, g in zip(variables, per_ex)}, \
-        losses, y_pred
+        batch.model, batch.per_example_loss, batch.x, batch.y, batch.sample_weight, variables,
+        rows=True)
+    # Row gradients (embeddings) keep their lookup form: the ghost rule's norms and sums.
+    return {id(v): EmbeddingFactors(v, g.ids, g.values, options)
+            if isinstance(g, vmap.RowGradients) else MaterialisedFactors(v, g, options)
+            for v, g in zip(variables, per_ex)}, losses, y_pred
 
 
 class _ExactStrategy(NormStrategy):

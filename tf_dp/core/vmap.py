@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -92,8 +93,17 @@ def _expand(structure):
     return tf.nest.map_structure(lambda t: None if t is None else t[None], structure)
 
 
+class RowGradients(NamedTuple):
+    """Per-example gradients of a table read by row lookups (an embedding): example i adds
+    ``values[i, t]`` to row ``ids[i, t]`` (repeated ids add up), as the gradient of a gather.
+    (B, T) ids and (B, T, width) values instead of a dense (B, rows, width) tensor."""
+
+    ids: tf.Tensor
+    values: tf.Tensor
+
+
 def per_example_gradients(model, per_example_loss, x, y, sample_weight, variables,
-                          mode: str = "auto"):
+                          mode: str = "auto", rows: bool = False):
     """Per-example gradients of ``variables`` (each (B, *var.shape)), losses and outputs.
 
     Args:
@@ -102,11 +112,17 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
       x, y, sample_weight: the batch (nested structures allowed; sample_weight may be None).
       variables: the variables whose per-example gradients are wanted.
       mode: "auto" (vectorize, else loop), "vectorize" or "loop".
+      rows: a 2-D variable whose per-example gradient comes out of row lookups (TensorFlow
+        gives it as ``IndexedSlices``) is returned as ``RowGradients`` instead of a dense
+        (B, rows, width) tensor: for a Transformer's 8000-row embedding that dense tensor was
+        2 MiB per example, most of the vectorized step's time.
 
     Returns:
-      (list of per-example gradient tensors, per-example losses (B,), outputs (B, ...)).
+      (list of per-example gradients: tensors, or ``RowGradients`` with ``rows``; per-example
+      losses (B,); outputs (B, ...)).
     """
     variables = list(variables)
+    sparse = [None] * len(variables)  # per variable: whether its gradient came as row slices
 
     has_weight = sample_weight is not None
 
@@ -120,21 +136,34 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
             loss = tf.reduce_sum(loss)
         grads = tape.gradient(loss, [v.value if hasattr(v, "value") else v for v in variables],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        grads = [tf.convert_to_tensor(g) for g in grads]
+        out = []
+        for k, (g, v) in enumerate(zip(grads, variables)):
+            as_rows = (rows and isinstance(g, tf.IndexedSlices) and v.shape.rank == 2
+                       and g.values.shape.rank == 2)
+            # The same trace decides for every example (and a loop's first-example probe).
+            sparse[k] = as_rows
+            out.append((tf.reshape(g.indices, [-1]), g.values) if as_rows
+                       else tf.convert_to_tensor(g))
         squeeze = tf.nest.map_structure(lambda t: t[0], pred)
-        return grads, loss, squeeze
+        return out, loss, squeeze
 
     elems = (x, y, sample_weight) if has_weight else (x, y)
     if mode in ("auto", "vectorize"):
         try:
             with vectorizable(model), _quiet_pfor_fallbacks():
-                return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+                return _as_rows(tf.vectorized_map(one, elems, fallback_to_while_loop=True),
+                                sparse)
         except Exception as err:  # pfor conversion errors surface as many types
             if mode == "vectorize":
                 raise
             _log.warning("tf_dp: vectorized per-example gradients failed (%s); falling back "
                          "to a loop over examples (exact, slower).", str(err).split("\n")[0])
-    return _loop(one, elems, model, variables)
+    return _as_rows(_loop(one, elems, model, variables), sparse)
+
+
+def _as_rows(result, sparse):
+    grads, losses, outputs = result
+    return ([RowGradients(*g) if s else g for g, s in zip(grads, sparse)], losses, outputs)
 
 
 def _loop(one, elems, model, variables):
