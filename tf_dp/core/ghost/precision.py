@@ -10,14 +10,17 @@ by at most gamma_{n-1} times the sum of their absolute values, gamma_n = n u / (
 (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed. 2002, Sec. 3.1 and 4.2).
 The Gram form sum((A A^T) * (G G^T)) squares the conditioning of sum_t a_t g_t^T: with
 kappa = sum_t ||a_t|| ||g_t|| / ||A^T G||, float32 loses kappa^2 u32 of the squared norm (it
-even goes negative), so Gram matrices are formed in float64. The fused float32 weighted sum
-is off by up to gamma_{T+1} kappa of the norm: the rare examples for which that exceeds
-_FLOAT32_SUM_MAX_SLACK (kappa above ~50 for T = 32) have their sum formed in float64 and
-their norm from their own float64 matrix, one example at a time, so that neither bound
+even goes negative), so Gram matrices are formed in float64, for one chunk of examples at a
+time (float64 copies of whole factors were the step's largest tensors). The fused float32
+weighted sum is off by up to gamma_{T+1} kappa of the norm: the rare examples for which that
+exceeds _FLOAT32_SUM_MAX_SLACK (kappa above ~50 for T = 32) have their sum formed in float64
+and their norm from their own float64 matrix, one example at a time, so that neither bound
 lowers their clip factor by more than that.
 """
 
 from __future__ import annotations
+
+import math
 
 import tensorflow as tf
 
@@ -122,27 +125,145 @@ def squared_norms(t):
     return sq, sq * (1.0 + rel) + n * _FLUSH_FLOAT32
 
 
-def gram_norms(a, g):
-    """``||sum_t a_t g_t^T||^2`` from float64 Gram matrices, with a bound, per example.
+#: One chunk of examples' float64 Gram inputs and matrices (a and g in float64, A A^T, G G^T
+#: and their product) takes at most this many bytes (at least one example per chunk): the
+#: float64 copies of whole (B, T, d) factors were the largest tensors of the exact step.
+_GRAM_CHUNK_BYTES = 16 << 20
 
-    Returns (estimate clamped to [0, l1^2], upper bound, l1), all (B,) float64, where
-    ``l1 = sum_t ||a_t|| ||g_t||`` bounds both the norm and the size of every rounding error.
+
+def _gram_chunk_examples(steps, d, p):
+    """Examples per chunk of ``gram_norms`` (a Python int when the shapes are static)."""
+    per_example = 8 * steps * (d + p) + 24 * steps * steps
+    if isinstance(per_example, int):
+        return max(1, _GRAM_CHUNK_BYTES // max(per_example, 1))
+    return tf.maximum(1, _GRAM_CHUNK_BYTES // tf.maximum(per_example, 1))
+
+
+def _row_norm_bounds(x):
+    """(B, T) float64 upper bounds of the norms of the rows ``x[i, t]`` (float32 or float64
+    values as stored), from sums of squares in x's own precision (float32 for half types).
+
+    Proof. Let n be the row length, u and lam the unit roundoff and smallest normal number of
+    the working precision F. TensorFlow's CPU kernels flush subnormal results to zero and may
+    read subnormal inputs as zero, so each operation returns (exact)(1 + delta) + eta with
+    |delta| <= u, |eta| < lam (Higham Sec. 2.2 with underflow). The sum of squares s of a row
+    (n squares, n - 1 additions in any order, every operand >= 0) satisfies
+    s >= (1 - u)^n q' - 2(2n - 1) lam >= (1 - gamma_n) q' - 4n lam, where q' is the exact
+    sum of squares of the entries as read (each eta is scaled by at most n factors
+    1 + delta <= 1 + gamma_n <= 2). An entry read as zero has |x_i| < lam, so the stored
+    row's q <= q' + n lam^2 <= q' + n lam. Hence
+        q <= (s + 5 n lam) / (1 - gamma_n)          (the factor is taken as inf if gamma_n > 1/2)
+    whenever s is finite: every operand is >= 0, so an overflow anywhere leaves s = inf.
+    Independently, with m the largest |x_i| as read, ||x|| <= sqrt(n) max(m, lam); this one
+    holds always (m is exact) and is the tighter one for rows whose squares overflow or
+    flush. The result is the smaller of the two. Rows with a NaN give NaN.
+
+    Both are evaluated in float64, each operation monotone on non-negative values with
+    relative error <= 2^-53 and no underflow (every bound is 0 or >= 2^-1022): the factor
+    1 / (1 - gamma_n) is computed with 4 roundings' worth of error (two in gamma_n, amplified
+    by at most gamma_n / (1 - gamma_n) <= 1, one subtraction, one division), the argument of
+    the square root with 2 more, the square root halves that and adds one: the computed
+    bound is >= (1 - 2^-53)^4 times the exact expression (the max form: 2 roundings). The
+    caller compensates (``_gram_chunk``).
     """
+    if x.dtype not in (tf.float32, tf.float64):
+        x = tf.cast(x, tf.float32)  # exact: float16 and bfloat16 values are float32 values
+    dtype = x.dtype
+    lam = 2.0**-126 if dtype == tf.float32 else 2.0**-1022
+    n = x.shape[-1] if x.shape[-1] is not None else tf.shape(x)[-1]
+    s = tf.cast(tf.reduce_sum(tf.square(x), axis=-1), tf.float64)
+    top = tf.cast(tf.reduce_max(tf.abs(x), axis=-1), tf.float64)
+    g = gamma(n, dtype)
+    if isinstance(n, int):
+        widen = 1.0 / (1.0 - g) if g <= 0.5 else float("inf")
+        by_sum = tf.sqrt((s + 5.0 * n * lam) * widen)
+        by_max = math.sqrt(n) * tf.maximum(top, lam)
+    else:
+        small = g <= 0.5
+        widen = tf.where(small, 1.0 / (1.0 - tf.where(small, g, 0.0)),
+                         tf.constant(float("inf"), tf.float64))
+        n64 = tf.cast(n, tf.float64)
+        by_sum = tf.sqrt((s + 5.0 * n64 * lam) * widen)
+        by_max = tf.sqrt(n64) * tf.maximum(top, lam)
+    bound = tf.where(tf.math.is_finite(s), tf.minimum(by_sum, by_max), by_max)
+    return tf.where(tf.math.is_nan(s), s, bound)
+
+
+def _gram_chunk(a, g):
+    """(sum((A A^T) * (G G^T)), upper bound of l1) per example of one chunk, (n,) float64.
+
+    Only this chunk's float64 copies of the factors exist while it runs."""
     a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
     aa = tf.einsum("btd,bsd->bts", a64, a64)
     gg = tf.einsum("btp,bsp->bts", g64, g64)
     s = tf.reduce_sum(aa * gg, axis=[1, 2])
-    l1 = tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(a64), -1))
-                       * tf.sqrt(tf.reduce_sum(tf.square(g64), -1)), axis=1)
+    # l1 = sum_t ||a_t|| ||g_t|| <= sum_t A_t G_t, A_t and G_t the exact values of the row
+    # bounds, which _row_norm_bounds computes to within (1 - u)^4 each (u = 2^-53). With the
+    # product and the T - 1 additions, the computed sum is >= (1 - u)^(T + 8) sum_t A_t G_t,
+    # minus what flushes: a float64 result below 2^-1022 (float64 factors below ~1e-154 only)
+    # loses less than 2^-1022, at most 2T of them, each scaled later by at most
+    # (1 + gamma_T) <= 2: less than 4T 2^-1022 in all, which is added back (one rounding).
+    # The factor c = 1 + 2 gamma_{T+32} is computed with 3 roundings and applied with one: the
+    # result is >= (1 - u)^(T + 13) (1 + 2 gamma_{T+32}) l1 >= (1 - gamma_{T+13})
+    # (1 + 2 gamma_{T+32}) l1 >= l1.
+    steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
+    products = tf.reduce_sum(_row_norm_bounds(a) * _row_norm_bounds(g), axis=1)
+    flushed = 4.0 * tf.cast(steps, tf.float64) * 2.0**-1022
+    l1 = (products + flushed) * (1.0 + 2.0 * gamma(steps + 32, tf.float64))
+    return s, l1
+
+
+def gram_norms(a, g):
+    """``||sum_t a_t g_t^T||^2`` from float64 Gram matrices, with a bound, per example.
+
+    Returns (estimate clamped to [0, l1^2], upper bound, l1), all (B,) float64, where ``l1``
+    is an upper bound of ``sum_t ||a_t|| ||g_t||``, which bounds both the norm and the size
+    of every rounding error. The float64 Gram matrices are formed over chunks of examples
+    (``_GRAM_CHUNK_BYTES`` each, one chunk at a time), so the float64 copies of the factors
+    exist for one chunk, not for the whole batch; ``l1`` comes from float32 row norms with
+    their rounding bounded (``_row_norm_bounds``).
+    """
+    steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
+    d = a.shape[2] if a.shape[2] is not None else tf.shape(a)[2]
+    p = g.shape[2] if g.shape[2] is not None else tf.shape(g)[2]
+    chunk = _gram_chunk_examples(steps, d, p)
+    batch = a.shape[0]
+    if batch is not None and isinstance(chunk, int) and batch <= chunk:
+        s, l1 = _gram_chunk(a, g)
+    else:
+        s, l1 = _chunked(a, g, chunk)
     l1_sq = tf.square(l1)
-    steps = tf.shape(a)[1]
     # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
     # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
-    # ||g_t|| ||g_s|| = gamma l1^2; l1 itself is computed with a relative error below gamma.
-    rel = gamma(tf.shape(a)[2] + tf.shape(g)[2] + steps * steps + steps + 8, tf.float64)
+    # ||g_t|| ||g_s|| <= gamma l1^2 (l1 bounds the exact sum); the rest covers l1^2's rounding.
+    t = tf.shape(a)[1]
+    rel = gamma(tf.shape(a)[2] + tf.shape(g)[2] + t * t + t + 8, tf.float64)
     sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
     upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
     return sq, upper, l1
+
+
+def _chunked(a, g, chunk):
+    """``_gram_chunk`` over the batch: floor(B / chunk) chunks of ``chunk`` examples in a
+    sequential loop (a static chunk shape; XLA compiles it), then the remaining B mod chunk
+    examples after the loop. Works for an unknown batch and for B = 0."""
+    batch = tf.shape(a)[0]
+    full = batch // chunk
+    buffers = (tf.zeros(tf.stack([full, chunk]), tf.float64),) * 2
+
+    def body(i, s_buf, l1_buf):
+        start = i * chunk
+        s_i, l1_i = _gram_chunk(tf.slice(a, tf.stack([start, 0, 0]), [chunk, -1, -1]),
+                                tf.slice(g, tf.stack([start, 0, 0]), [chunk, -1, -1]))
+        return (i + 1, tf.tensor_scatter_nd_update(s_buf, [[i]], s_i[None]),
+                tf.tensor_scatter_nd_update(l1_buf, [[i]], l1_i[None]))
+
+    _, s_buf, l1_buf = tf.while_loop(lambda i, *_: i < full, body, (0,) + buffers,
+                                     parallel_iterations=1, maximum_iterations=full)
+    s_full, l1_full = tf.reshape(s_buf, [-1]), tf.reshape(l1_buf, [-1])
+    with tf.control_dependencies([s_full, l1_full]):  # one chunk's float64 copies at a time
+        s_rest, l1_rest = _gram_chunk(a[full * chunk:], g[full * chunk:])
+    return tf.concat([s_full, s_rest], 0), tf.concat([l1_full, l1_rest], 0)
 
 
 def exact_outer_norms(a, g, l1):
