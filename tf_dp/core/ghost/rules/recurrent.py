@@ -11,9 +11,10 @@ backward pass to ``zx`` gives every factor:
     per-example grad of b = sum_t dz_t
 
 two outer-product terms and a direct one, exactly the forms the ghost machinery handles
-for Dense layers. The recurrence runs in ``tf.scan`` (no unrolling, no per-example
-copies), so an LSTM costs about what it costs without privacy, and JL projections of its
-gradients come from the same factors.
+for Dense layers. The recurrence runs in a ``tf.while_loop`` with its own gradient
+(``_recurrence``: no unrolling, no per-example copies, no (B, T, 4H) transposes or zero
+fills), so an LSTM costs about what it costs without privacy, and JL projections of
+its gradients come from the same factors.
 
 A GRU is the same with its three gates, except that its candidate's recurrent part is
 multiplied by the reset gate r_t: with ``reset_after`` (the Keras default) the gradient at
@@ -24,10 +25,11 @@ the time axis: one term over 2T "steps").
 A SimpleRNN step is ``h_t = activation(x_t K + b + h_{t-1} U)``: the LSTM's terms with one
 gate.
 
-Supported: the plain LSTMCell / GRUCell / SimpleRNNCell (any activations, with or without bias), masks (the Keras
-semantics: masked steps keep the state; their output is the previous one, or zeros with
-``zero_output_for_mask``), ``go_backwards``, ``return_sequences``. Dropout during training,
-``initial_state``, ``return_state`` and stateful layers fall back to the vectorized path.
+Supported: the plain LSTMCell / GRUCell / SimpleRNNCell (any activations, with or without
+bias), masks (the Keras semantics: masked steps keep the state; their output is the
+previous one, or zeros with ``zero_output_for_mask``), ``go_backwards``,
+``return_sequences``. Dropout during training, ``initial_state``, ``return_state`` and
+stateful layers fall back to the vectorized path.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from tf_dp.core.ghost.terms import DirectTerm, OuterTerm
 
 
 def _prepare(layer, ctx, sequences, mask, initial_state, training, layer_cls, cell_cls):
-    """(x, mask, kernel, recurrent kernel) for a supported layer call, or None."""
+    """(x (B, T, d), mask (B, T) or None, kernel, recurrent kernel) for a supported layer
+    call, or None. Both stay in the order of time (``go_backwards`` is the loop's order)."""
     cell = layer.cell
     if type(layer).call is not layer_cls.call or type(cell) is not cell_cls:
         return None
@@ -57,9 +60,6 @@ def _prepare(layer, ctx, sequences, mask, initial_state, training, layer_cls, ce
     ctx.check_batch(layer, x)
     if isinstance(mask, (list, tuple)):
         mask = mask[0]
-    if layer.go_backwards:
-        x = tf.reverse(x, [1])
-        mask = None if mask is None else tf.reverse(mask, [1])
     return (x, mask, ctx.read(cell.kernel, x.dtype),
             ctx.read(cell.recurrent_kernel, x.dtype))
 
@@ -80,81 +80,199 @@ def _recurrent_rule(layer_cls, cell_cls):
     return deco
 
 
-def _run(layer, zx, mask, num_states, cell_step):
-    """Runs ``cell_step(states, z_t) -> (new_states, extra)`` over time (``tf.scan``).
+class _Cell:
+    """One recurrent cell as ``_recurrence`` runs it.
 
-    States start at zeros, the first is the output h. Keras's masking semantics: a masked
-    step keeps the states; its output is the previous one, or zeros with
-    ``zero_output_for_mask``. Returns (h after each step (B, T, H), the per-step ``extra``
-    (B, T, H), the layer's output).
+    Each step forms ``r_t = h_{t-1} rec (+ rec_bias)`` (the recurrent matrix product), then
+    ``pre_t = pre(zx_t, r_t)`` and ``(new states, extra_t) = step(states, pre_t)``, which must
+    not multiply by ``rec`` again (its product is in ``pre_t``, saved for the backward
+    loop); ``pre_t`` is (B, pre_width). ``split(d pre_t) -> (d zx_t, d r_t)``. ``extra``:
+    whether ``step`` returns a per-step (B, H) tensor the factors need (else None).
     """
+
+    def __init__(self, num_states, rec, rec_bias, pre_width, pre, step, split, extra=False):
+        self.num_states, self.rec, self.rec_bias = num_states, rec, rec_bias
+        self.pre_width = pre_width
+        self.pre, self.step, self.split, self.extra = pre, step, split, extra
+
+
+#: sequences at most this long are gathered from a loop's TensorArray straight into (B, T, ...)
+#: (one copy, T graph ops); longer or unknown ones are stacked (T, B, ...) and transposed.
+_UNSTACKED_MAX_STEPS = 1024
+
+
+def _recurrence(layer, zx, mask, cell: _Cell):
+    """Runs ``cell`` over the input projections ``zx`` (B, T, P).
+
+    States start at zeros, the first is the output h; steps run from t = 0 up, or from
+    T - 1 down with ``go_backwards``. Keras's masking semantics: a masked step keeps the
+    states; its output is the previous one, or zeros with ``zero_output_for_mask``.
+
+    The loop has its own gradient (``tf.custom_gradient``): the forward loop keeps each
+    step's ``pre_t`` and the states before it in TensorArrays, and the backward loop
+    differentiates one step at a time from them (a tape over the cell's element-wise part;
+    the product with ``rec`` is transposed by hand) and writes each ``d zx_t`` into a
+    TensorArray: no zero-filled lists, no unstacked copy of ``zx``, no recomputed matrix
+    products. Steps read their slices of the batch-major ``zx``, mask and output gradient
+    directly, and what leaves the loops is gathered into (B, T, ...) in one copy, so nothing
+    (B, T, P) is transposed.
+
+    Returns (states h before each step (B, T, H) in time order, the per-step ``extra``
+    (B, T, H) or None, the layer's output: (B, T, H) in the loop's order with
+    ``return_sequences``, else (B, H)). Only the output carries a gradient.
+    """
+    units = layer.cell.units
+    dtype = zx.dtype
+    # A static T keeps the factors' shapes static (the choice between Gram and materialised
+    # norms depends on it).
+    steps = zx.shape[1] if zx.shape[1] is not None else tf.shape(zx)[1]
+    batch = tf.shape(zx)[0]
+    backwards = bool(layer.go_backwards)
     zero_out = bool(getattr(layer, "zero_output_for_mask", False))
-    h0 = tf.zeros([tf.shape(zx)[0], layer.cell.units], zx.dtype)
+    sequences = bool(layer.return_sequences)
+    mask = None if mask is None else tf.cast(mask, tf.bool)
+    side = {}
 
-    def step(carry, elems):
-        states = carry[0]
-        z_t, m_t = elems
-        new_states, extra = cell_step(states, z_t)
-        h_new = new_states[0]
-        if m_t is None:
-            return new_states, extra, h_new
-        m = m_t[:, None]
-        kept = tuple(tf.where(m, n, o) for n, o in zip(new_states, states))
-        out = tf.where(m, h_new, tf.zeros_like(h_new)) if zero_out else kept[0]
-        return kept, extra, out
+    def time_of(k):
+        return steps - 1 - k if backwards else k
 
-    zx_tm = tf.transpose(zx, [1, 0, 2])
-    init = ((h0,) * num_states, h0, h0)
-    if mask is None:
-        states, extra, outs = tf.scan(lambda carry, z_t: step(carry, (z_t, None)), zx_tm,
-                                      initializer=init)
-    else:
-        m_tm = tf.transpose(tf.cast(mask, tf.bool), [1, 0])
-        states, extra, outs = tf.scan(step, (zx_tm, m_tm), initializer=init)
-    if layer.return_sequences:
-        output = tf.transpose(outs, [1, 0, 2])
-    else:
-        output = outs[-1]
-    return (tf.transpose(states[0], [1, 0, 2]), tf.transpose(extra, [1, 0, 2]),
-            tf.cast(output, layer.compute_dtype))
+    def array(width):
+        return tf.TensorArray(dtype, size=steps, element_shape=tf.TensorShape([None, width]),
+                              clear_after_read=False)  # (read twice when executing eagerly)
+
+    def batch_major(ta):
+        if isinstance(steps, int) and steps <= _UNSTACKED_MAX_STEPS:
+            if steps == 0:
+                return tf.zeros([batch, 0, ta.element_shape[-1]], dtype)
+            return tf.stack([ta.read(t) for t in range(steps)], axis=1)
+        return tf.transpose(ta.stack(), [1, 0, 2])
+
+    def recurrent_product(h):
+        r = tf.matmul(h, cell.rec)
+        return r if cell.rec_bias is None else r + cell.rec_bias
+
+    @tf.custom_gradient
+    def run(zx):
+        zeros = tf.zeros([batch, units], dtype)
+
+        def body(k, states, last, pres, prevs, extras, outs):
+            t = time_of(k)
+            pre = cell.pre(tf.gather(zx, t, axis=1), recurrent_product(states[0]))
+            new, extra = cell.step(states, pre)
+            pres = pres.write(t, pre)
+            prevs = tuple(ta.write(t, s) for ta, s in zip(prevs, states))
+            if cell.extra:
+                extras = extras.write(t, extra)
+            if mask is None:
+                kept, out = new, new[0]
+            else:
+                m = tf.gather(mask, t, axis=1)[:, None]
+                kept = tuple(tf.where(m, n, o) for n, o in zip(new, states))
+                out = tf.where(m, new[0], zeros) if zero_out else kept[0]
+            if sequences:
+                outs = outs.write(k, out)
+            return k + 1, kept, out, pres, prevs, extras, outs
+
+        init = (tf.constant(0), (zeros,) * cell.num_states, zeros, array(cell.pre_width),
+                tuple(array(units) for _ in range(cell.num_states)),
+                array(units) if cell.extra else tf.constant(0),
+                array(units) if sequences else tf.constant(0))
+        _, _, last, pres, prevs, extras, outs = tf.while_loop(
+            lambda k, *_: k < steps, body, init)
+        side["prev"] = batch_major(prevs[0])
+        side["extra"] = batch_major(extras) if cell.extra else None
+        output = batch_major(outs) if sequences else last
+
+        def grad(d_output):
+            d_output = tf.convert_to_tensor(d_output)
+
+            def back(j, d_states, d_last, dzs):
+                k = steps - 1 - j
+                t = time_of(k)
+                pre = pres.read(t)
+                prev = tuple(ta.read(t) for ta in prevs)
+                d_out = tf.gather(d_output, k, axis=1) if sequences else d_last
+                d_kept = list(d_states)
+                if mask is None:
+                    d_kept[0] = d_kept[0] + d_out
+                    d_new, d_pass = d_kept, None
+                else:
+                    # The step's new states reach only the examples that are not masked;
+                    # the others pass their gradient on to the previous states.
+                    m = tf.gather(mask, t, axis=1)[:, None]
+                    if not zero_out:  # the output is the kept state
+                        d_kept[0] = d_kept[0] + d_out
+                    d_new = [tf.where(m, d, zeros) for d in d_kept]
+                    if zero_out:  # the output is the new state or zeros
+                        d_new[0] = tf.where(m, d_kept[0] + d_out, zeros)
+                    d_pass = [tf.where(m, zeros, d) for d in d_kept]
+                with tf.GradientTape() as tape:
+                    tape.watch(pre)
+                    tape.watch(prev)
+                    new, _ = cell.step(prev, pre)
+                grads = tape.gradient(list(new), [pre, *prev], output_gradients=d_new)
+                d_zx, d_r = cell.split(grads[0])
+                d_prev = [zeros if g is None else g for g in grads[1:]]
+                d_prev[0] = d_prev[0] + tf.matmul(d_r, cell.rec, transpose_b=True)
+                if d_pass is not None:
+                    d_prev = [a + b for a, b in zip(d_prev, d_pass)]
+                return j + 1, tuple(d_prev), zeros, dzs.write(t, d_zx)
+
+            d_last = zeros if sequences else tf.cast(d_output, dtype)
+            init = (tf.constant(0), (zeros,) * cell.num_states, d_last, array(zx.shape[-1]))
+            *_, dzs = tf.while_loop(lambda j, *_: j < steps, back, init)
+            return batch_major(dzs)
+
+        return output, grad
+
+    output = run(zx)
+    return side["prev"], side["extra"], tf.cast(output, layer.compute_dtype)
 
 
-def _previous(hs):
-    """(B, T, H) states after each step -> the states before each step (zeros first)."""
-    return tf.concat([tf.zeros_like(hs[:, :1]), hs[:, :-1]], axis=1)
-
-
-def _projected(layer, ctx, x, kernel, with_bias=True):
-    """``zx = x K (+ b)``: every step's input projection, formed before the recurrence."""
+def _projected(layer, ctx, x, kernel, bias=None):
+    """``zx = x K (+ b)`` (B, T, P): every step's input projection, formed before the
+    recurrence."""
     zx = tf.einsum("btd,dp->btp", x, kernel)
-    if with_bias and layer.cell.use_bias:
-        zx = zx + ctx.read(layer.cell.bias, x.dtype)
-    return zx
+    return zx if bias is None else zx + bias
 
 
-def _record_plain(ctx, cell, x, zx, hs):
+def _time_sum(dz):
+    return tf.reduce_sum(dz, axis=1)
+
+
+def _record_plain(ctx, cell, x, zx, prev_h):
     """K: sum_t x_t (outer) dz_t; U: sum_t h_{t-1} (outer) dz_t; b: sum_t dz_t."""
     ctx.add(cell.kernel, OuterTerm(zx, lambda: x))
-    ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: _previous(hs)))
+    ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: prev_h))
     if cell.use_bias:
-        ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
+        ctx.add(cell.bias, DirectTerm(zx, _time_sum))
+
+
+def _add(zx_t, r_t):
+    return zx_t + r_t
+
+
+def _same(d):
+    return d, d
 
 
 @_recurrent_rule(keras.layers.LSTM, keras.layers.LSTMCell)
 def _lstm(layer, ctx, x, mask, kernel, recurrent):
     cell = layer.cell
-    zx = _projected(layer, ctx, x, kernel)
+    bias = ctx.read(cell.bias, x.dtype) if cell.use_bias else None
+    zx = _projected(layer, ctx, x, kernel, bias)
 
-    def cell_step(states, z_t):
-        h, c = states
-        zi, zf, zc, zo = tf.split(z_t + tf.matmul(h, recurrent), 4, axis=1)
+    def step(states, z):
+        _, c = states
+        zi, zf, zc, zo = tf.split(z, 4, axis=1)
         c_new = (cell.recurrent_activation(zf) * c
                  + cell.recurrent_activation(zi) * cell.activation(zc))
         h_new = cell.recurrent_activation(zo) * cell.activation(c_new)
-        return (h_new, c_new), h_new
+        return (h_new, c_new), None
 
-    hs, _, output = _run(layer, zx, mask, 2, cell_step)
-    _record_plain(ctx, cell, x, zx, hs)
+    prev_h, _, output = _recurrence(
+        layer, zx, mask, _Cell(2, recurrent, None, 4 * cell.units, _add, step, _same))
+    _record_plain(ctx, cell, x, zx, prev_h)
     return output
 
 
@@ -162,78 +280,85 @@ def _lstm(layer, ctx, x, mask, kernel, recurrent):
 def _gru(layer, ctx, x, mask, kernel, recurrent):
     cell = layer.cell
     units, reset_after = cell.units, cell.reset_after
-    zx = tf.einsum("btd,dp->btp", x, kernel)
-    rec_bias = None
-    if cell.use_bias:
-        bias = ctx.read(cell.bias, x.dtype)
-        if reset_after:
-            zx, rec_bias = zx + bias[0], bias[1]
-        else:
-            zx = zx + bias
+    bias = ctx.read(cell.bias, x.dtype) if cell.use_bias else None
+    if reset_after:
+        zx = _projected(layer, ctx, x, kernel, None if bias is None else bias[0])
 
-    def cell_step(states, z_t):
-        (h,) = states
-        x_z, x_r, x_h = tf.split(z_t, 3, axis=1)
-        if reset_after:
-            inner = tf.matmul(h, recurrent)
-            if rec_bias is not None:
-                inner = inner + rec_bias
-            r_z, r_r, r_h = tf.split(inner, 3, axis=1)
-        else:
-            r_z, r_r = tf.split(tf.matmul(h, recurrent[:, :2 * units]), 2, axis=1)
-        zg = cell.recurrent_activation(x_z + r_z)
-        rg = cell.recurrent_activation(x_r + r_r)
-        if reset_after:
-            cand = x_h + rg * r_h
-        else:
-            cand = x_h + tf.matmul(rg * h, recurrent[:, 2 * units:])
-        return (zg * h + (1 - zg) * cell.activation(cand),), rg
+        def pre(zx_t, r_t):  # [x_z + r_z, x_r + r_r, x_h, r_h]
+            return tf.concat([zx_t[:, :2 * units] + r_t[:, :2 * units], zx_t[:, 2 * units:],
+                              r_t[:, 2 * units:]], axis=1)
 
-    hs, rs, output = _run(layer, zx, mask, 1, cell_step)
+        def step(states, p):
+            (h,) = states
+            s_z, s_r, x_h, r_h = tf.split(p, 4, axis=1)
+            zg = cell.recurrent_activation(s_z)
+            rg = cell.recurrent_activation(s_r)
+            return (zg * h + (1 - zg) * cell.activation(x_h + rg * r_h),), rg
 
-    def split(dz):
+        def split(d):
+            return d[:, :3 * units], tf.concat([d[:, :2 * units], d[:, 3 * units:]], axis=1)
+
+        spec = _Cell(1, recurrent, None if bias is None else bias[1], 4 * units, pre, step,
+                     split, True)
+    else:
+        zx = _projected(layer, ctx, x, kernel, bias)
+        rec_h = recurrent[:, 2 * units:]
+
+        def pre(zx_t, r_t):  # [x_z + r_z, x_r + r_r, x_h]
+            return tf.concat([zx_t[:, :2 * units] + r_t, zx_t[:, 2 * units:]], axis=1)
+
+        def step(states, p):
+            (h,) = states
+            s_z, s_r, x_h = tf.split(p, 3, axis=1)
+            zg = cell.recurrent_activation(s_z)
+            rg = cell.recurrent_activation(s_r)
+            return (zg * h + (1 - zg) * cell.activation(x_h + tf.matmul(rg * h, rec_h)),), rg
+
+        spec = _Cell(1, recurrent[:, :2 * units], None, 3 * units, pre, step,
+                     lambda d: (d, d[:, :2 * units]), True)
+
+    prev_h, rs, output = _recurrence(layer, zx, mask, spec)
+
+    def split_t(dz):
         return tf.split(dz, 3, axis=-1)
 
     ctx.add(cell.kernel, OuterTerm(zx, lambda: x))
     if reset_after:
         def d_inner(dz):  # gradient at h_{t-1} U + b_rec
-            dz_z, dz_r, dz_h = split(dz)
+            dz_z, dz_r, dz_h = split_t(dz)
             # dz arrives in float32 also under mixed precision (see tf_dp.core.ghost.backward).
             return tf.concat([dz_z, dz_r, tf.cast(rs, dz.dtype) * dz_h], axis=-1)
 
-        ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: _previous(hs), d_inner))
+        ctx.add(cell.recurrent_kernel, OuterTerm(zx, lambda: prev_h, d_inner))
         if cell.use_bias:
             ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.stack(
-                [tf.reduce_sum(dz, axis=1), tf.reduce_sum(d_inner(dz), axis=1)], axis=1)))
+                [_time_sum(dz), _time_sum(d_inner(dz))], axis=1)))
     else:
         def a_two():  # h_{t-1} for the z/r blocks, r_t * h_{t-1} for the candidate's block
-            h_prev = _previous(hs)
-            return tf.concat([h_prev, rs * h_prev], axis=1)
+            return tf.concat([prev_h, rs * prev_h], axis=1)
 
         def g_two(dz):
-            dz_z, dz_r, dz_h = split(dz)
+            dz_z, dz_r, dz_h = split_t(dz)
             zeros = tf.zeros_like(dz_h)
             return tf.concat([tf.concat([dz_z, dz_r, zeros], axis=-1),
                               tf.concat([zeros, zeros, dz_h], axis=-1)], axis=1)
 
         ctx.add(cell.recurrent_kernel, OuterTerm(zx, a_two, g_two))
         if cell.use_bias:
-            ctx.add(cell.bias, DirectTerm(zx, lambda dz: tf.reduce_sum(dz, axis=1)))
+            ctx.add(cell.bias, DirectTerm(zx, _time_sum))
     return output
 
 
 @_recurrent_rule(keras.layers.SimpleRNN, keras.layers.SimpleRNNCell)
 def _simple_rnn(layer, ctx, x, mask, kernel, recurrent):
     cell = layer.cell
-    zx = _projected(layer, ctx, x, kernel)
+    bias = ctx.read(cell.bias, x.dtype) if cell.use_bias else None
+    zx = _projected(layer, ctx, x, kernel, bias)
 
-    def cell_step(states, z_t):
-        (h,) = states
-        h_new = z_t + tf.matmul(h, recurrent)
-        if cell.activation is not None:
-            h_new = cell.activation(h_new)
-        return (h_new,), h_new
+    def step(states, z):
+        return ((z if cell.activation is None else cell.activation(z)),), None
 
-    hs, _, output = _run(layer, zx, mask, 1, cell_step)
-    _record_plain(ctx, cell, x, zx, hs)
+    prev_h, _, output = _recurrence(
+        layer, zx, mask, _Cell(1, recurrent, None, cell.units, _add, step, _same))
+    _record_plain(ctx, cell, x, zx, prev_h)
     return output
