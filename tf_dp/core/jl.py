@@ -28,21 +28,83 @@ from tf_dp.core import vmap
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
+#: rows of a row-seeded direction drawn per iteration of the drawing loop, over all r
+#: directions (the loop's overhead per iteration is shared by this many small draws).
+_ROW_DRAWS_PER_ITERATION = 64
+
+
+def row_seeded(variable) -> bool:
+    """Whether ``variable``'s directions are drawn row by row: embedding tables (a 2-D
+    weight named ``embeddings``, as ``keras.layers.Embedding``'s).
+
+    Row ``k`` of such a direction is ``stateless_normal([width], fold_in(s, k))`` for the
+    variable's seed ``s``, so the rows a batch looks up can be drawn alone (O(r B T width)
+    instead of O(r vocabulary width)) and are the same numbers as in the full direction:
+    every example that looks a row up, and every way of projecting, sees the same vector.
+    Every other weight's direction is one ``stateless_normal(shape, s)``.
+    """
+    name = getattr(variable, "name", "") or ""
+    return (len(variable.shape) == 2
+            and name.split(":")[0].rsplit("/", 1)[-1] == "embeddings")
+
+
+def _variable_seeds(num_projections: int, seed, index: int):
+    """The r seeds of variable number ``index``: ``fold_in(fold_in(base, j), index)``."""
+    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _DIRECTION_STREAM)
+    return [tf.random.experimental.stateless_fold_in(
+        tf.random.experimental.stateless_fold_in(base, j), index)
+        for j in range(num_projections)]
+
+
+def draw(variable, index: int, num_projections: int, seed, projection=None):
+    """The r directions of variable number ``index`` (of the list given to
+    :func:`directions`): (r, *variable.shape); only direction ``projection`` (in the
+    variable's shape) if that is given."""
+    seeds = _variable_seeds(num_projections, seed, index)
+    if projection is not None:
+        seeds = seeds[projection:projection + 1]
+    if row_seeded(variable):
+        out = _draw_rows(variable, seeds, tf.range(variable.shape[0], dtype=tf.int32))
+    else:
+        out = tf.stack([tf.random.stateless_normal(variable.shape, seed=s, dtype=variable.dtype)
+                        for s in seeds])
+    return out if projection is None else out[0]
+
+
+def draw_rows(variable, index: int, num_projections: int, seed, rows):
+    """Rows ``rows`` (int32 (U,)) of the r directions of the row-seeded variable number
+    ``index``: (r, U, width), the same numbers as those rows of :func:`draw`'s."""
+    return _draw_rows(variable, _variable_seeds(num_projections, seed, index), rows)
+
+
+def _draw_rows(variable, seeds, rows):
+    r, width, dtype = len(seeds), variable.shape[1], variable.dtype
+    # fold_in(s, k) = [uniform_full_int(s), k] (k int32): its first word once per seed.
+    firsts = tf.stack([tf.random.experimental.stateless_fold_in(s, 0)[0] for s in seeds])
+    chunk = max(1, _ROW_DRAWS_PER_ITERATION // r)
+    n = tf.shape(rows)[0]
+    padded = tf.reshape(tf.pad(rows, [[0, (-n) % chunk]]), [-1, chunk])
+
+    def body(ks):
+        return tf.stack([tf.stack([
+            tf.random.stateless_normal([width], seed=tf.stack([firsts[j], ks[m]]), dtype=dtype)
+            for j in range(r)]) for m in range(chunk)])
+
+    out = tf.map_fn(body, padded, fn_output_signature=tf.TensorSpec([chunk, r, width], dtype))
+    out = tf.reshape(out, [-1, r, width])[:n]
+    return tf.transpose(out, [1, 0, 2])
+
 
 def directions(variables, num_projections: int, seed):
     """r standard Gaussian directions: a list over j of lists over variables.
 
     ``seed`` is a (2,) int tensor (the optimizer's noise seed and step): the same seed gives
-    the same projections.
+    the same projections. Variable ``i``'s direction ``j`` has seed ``fold_in(fold_in(base,
+    j), i)`` (drawn row by row for embedding tables, :func:`row_seeded`); the JL strategy
+    draws each variable's directions alone (:func:`draw`), the same numbers.
     """
-    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _DIRECTION_STREAM)
-    out = []
-    for j in range(num_projections):
-        sj = tf.random.experimental.stateless_fold_in(base, j)
-        out.append([tf.random.stateless_normal(v.shape, seed=tf.random.experimental
-                                               .stateless_fold_in(sj, i), dtype=v.dtype)
-                    for i, v in enumerate(variables)])
-    return out
+    per_variable = [draw(v, i, num_projections, seed) for i, v in enumerate(variables)]
+    return [[d[j] for d in per_variable] for j in range(num_projections)]
 
 
 def jl_norms(projections):
@@ -56,7 +118,9 @@ def forward_projections(model, per_example_loss, x, y, sample_weight, variables,
                         tape=None, replay=None):
     """``P[j, i] = <grad_variables l_i, dirs[j]>`` by one forward-mode pass per direction.
 
-    ``dirs`` is a list over j of lists over ``variables``. The first pass is recorded by
+    ``dirs`` is a list over j of lists over ``variables``, or a pair (r, ``j -> list over
+    variables``): then direction j is drawn only after pass j - 1's projections (under a
+    control dependency), so one direction exists at a time. The first pass is recorded by
     ``tape`` if given. ``replay`` (from :func:`save_random_state`) resets dropout-like random
     state before every pass, so all passes (and any earlier one) see the same masks.
 
@@ -65,8 +129,14 @@ def forward_projections(model, per_example_loss, x, y, sample_weight, variables,
     prims = [v.value if hasattr(v, "value") else v for v in variables]
     gens, saved = replay if replay is not None else save_random_state(model)
     projections, losses0, pred0 = [], None, None
+    if isinstance(dirs, tuple):
+        num, draw_j = dirs
+    else:
+        num, draw_j = len(dirs), dirs.__getitem__
     with vmap.vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
-        for j, dirs_j in enumerate(dirs):
+        for j in range(num):
+            with tf.control_dependencies(projections[-1:]):
+                dirs_j = draw_j(j)
             for g, s in zip(gens, saved):
                 g.state.assign(s)
             with tf.autodiff.ForwardAccumulator(prims, dirs_j) as acc:

@@ -223,20 +223,52 @@ class JL(NormStrategy):
         options = FactorOptions(exact_norms=False, num_projections=r,
                                 drop_non_finite=batch.non_finite == "zero")
         by_id, losses, y_pred = _ghost_pass(batch, options)
-        dirs = jl.directions(variables, r, seed)
+        # Each weight's directions are drawn where it is projected, once its factors exist
+        # and the previous weight's projections are formed (last layers first, as the
+        # backward pass forms their factors): one weight's directions are alive at a time,
+        # not r full copies of every weight from the start of the step. Same numbers as
+        # jl.directions(variables, r, seed).
+        parts, previous = {}, []
+        for k in reversed(range(len(variables))):
+            if id(variables[k]) in by_id:
+                parts[k] = self._project(by_id[id(variables[k])], variables[k], k, seed,
+                                         previous)
+                previous = [parts[k]]
         projections = tf.zeros([r, tf.shape(losses)[0]], tf.float64)
-        for k, v in enumerate(variables):
-            if id(v) in by_id:
-                stacked = tf.stack([dirs[j][k] for j in range(r)])
-                projections += tf.cast(by_id[id(v)].project(stacked), tf.float64)
+        for k in sorted(parts):  # summed in the variables' order
+            projections += tf.cast(parts[k], tf.float64)
         rest = [k for k, v in enumerate(variables) if id(v) not in by_id]
         if rest:
             group = _JVPGroup(batch, [variables[k] for k in rest], replay)
-            projections += group.project([[dirs[j][k] for k in rest] for j in range(r)])
+
+            def draw_j(j):  # after the last projection (forward_projections: of pass j - 1)
+                with tf.name_scope("jl_directions"), \
+                        tf.control_dependencies(previous if j == 0 else []):
+                    return [jl.draw(variables[k], k, r, seed, projection=j) for k in rest]
+
+            projections += group.project((r, draw_j))
             by_id.update(group.factors())
         norms = jl.jl_norms(projections)
         factors = [by_id[id(v)] for v in variables]
         return factors, norms, norms, losses, y_pred
+
+    def _project(self, factors, variable, index, seed, after):
+        """(r, B) projections of one weight's factors on its directions, drawn (in a name
+        scope ``jl_directions_<index>``) under a control dependency on the factors and on
+        ``after``."""
+        r = self._r
+        embedding = jl.row_seeded(variable) and isinstance(factors, EmbeddingFactors)
+        if embedding:
+            rows, pos = factors.unique_rows()
+        with tf.name_scope(f"jl_directions_{index}"), \
+                tf.control_dependencies(factors.dependencies() + list(after)):
+            if embedding:  # only the rows the batch looks up
+                dirs = jl.draw_rows(variable, index, r, seed, rows)
+            else:
+                dirs = jl.draw(variable, index, r, seed)
+        if embedding:
+            return factors.project_rows(dirs, pos)
+        return factors.project(dirs)
 
 
 class _JVPGroup:

@@ -6,6 +6,8 @@ object with the same interface whatever the layer:
 * ``sq``, ``bound``: (B,) float64 squared norms and an upper bound of the norm of what
   ``weighted_sum`` adds per unit weight, rounding included (exact strategies only);
 * ``project(directions)``: ``<g_i, v_j>`` for JL directions (r, *shape) -> (r, B);
+* ``dependencies()``: the tensors that hold them (a JL strategy draws the weight's directions
+  after these exist, so not every weight's directions are alive at once);
 * ``weighted_sum(w)``: ``sum_i w_i g_i`` in the weight's shape.
 
 Variants are subclasses: ``OuterFactors`` (ghost Gram norms or materialised products),
@@ -53,6 +55,10 @@ class Factors:
         """``P[j, i] = <g_i, v_j>`` for directions (r, *variable.shape) -> (r, B)."""
         raise NotImplementedError
 
+    def dependencies(self):
+        """The tensors these factors are formed from (their per-example gradients)."""
+        raise NotImplementedError
+
     def weighted_sum(self, w):
         """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
 
@@ -84,6 +90,9 @@ class MaterialisedFactors(Factors):
         if self._norms is None:
             self._norms = precision.materialised_norms(self.per)
         return self._norms
+
+    def dependencies(self):
+        return [self.per]
 
     def project(self, directions):
         r = directions.shape[0]
@@ -122,22 +131,24 @@ def _use_ghost(a, g):
 
 
 #: per-example gradients of at most this many entries per example may be materialised for
-#: JL projections even when the projected factors would take less memory.
-_MATERIALISE_MAX_ENTRIES = 1 << 16
+#: JL projections even when they take more memory than the factors they replace.
+_MATERIALISE_SMALL_ENTRIES = 1 << 12
 
 
 def _materialise_for_projection(a, g, num_projections):
     """JL projections of an outer-product term: materialise the per-example gradient
     (B, d, p) only when that takes fewer flops (B*T*d*p + r*B*d*p against r*B*T*d*p for
-    projecting the factors, i.e. (r - 1)(T - 1) > 1) and its memory is small, or no larger
-    than one projected factor (B, T, min(d, p)) per direction."""
+    projecting the factors, i.e. (r - 1)(T - 1) > 1) and its memory is small or no larger
+    than the factors (B, T, d + p) it replaces (it is kept for the weighted sum, they are
+    not). The factors are projected one direction at a time (one (B, T, min(d, p)) tensor
+    alive), so r does not scale the memory of the alternative."""
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
     if t is None or d is None or p is None:
         return False
     r = num_projections
     if (r - 1) * (t - 1) <= 1:
         return False
-    return d * p <= max(_MATERIALISE_MAX_ENTRIES, r * t * min(d, p))
+    return d * p <= max(_MATERIALISE_SMALL_ENTRIES, t * (d + p))
 
 
 def _concat_factors(terms, dz_of):
@@ -175,6 +186,8 @@ class OuterFactors(Factors):
             self.per = tf.einsum("btd,btp->bdp", a, g)
             if options.exact_norms:
                 self.sq, self.bound = precision.materialised_norms(self.per)
+            else:
+                self.a = self.g = None  # nothing reads them again: eager mode frees them
 
     def _rank_one_norms(self):
         # One position (a Dense layer on (B, d) inputs): g_i = a_i g_i^T has norm exactly
@@ -207,6 +220,9 @@ class OuterFactors(Factors):
             norm = tf.tensor_scatter_nd_update(norm, wide, norm_w)
             slack = tf.where(self.wide, gamma(steps, tf.float64) * l1, slack)
         self.bound = norm + slack
+
+    def dependencies(self):
+        return [self.per] if self.per is not None else [self.a, self.g]
 
     def project(self, directions):
         if self.per is not None:
@@ -248,10 +264,24 @@ class EmbeddingFactors(Factors):
         if options.exact_norms:
             self.sq, self.bound, self.wide = precision.embedding_norms(ids, g)
 
+    def dependencies(self):
+        return [self.ids, self.g]
+
     def project(self, directions):
+        return self.project_rows(directions, self.ids)
+
+    def unique_rows(self):
+        """(the distinct ids (U,), each position's index among them (B, T)): directions are
+        needed on those rows only (``project_rows``)."""
+        rows, pos = tf.unique(tf.reshape(self.ids, [-1]))
+        return rows, tf.reshape(pos, tf.shape(self.ids))
+
+    def project_rows(self, directions, pos):
+        """``P[j, i] = sum_t <directions[j, pos[i, t]], g[i, t]>`` for directions (r, U, width)
+        given on rows ``pos`` indexes (the whole table for ``pos = ids``)."""
         r = directions.shape[0]
         v = tf.cast(directions, self.g.dtype)
-        return tf.stack([tf.einsum("btd,btd->b", tf.gather(v[j], self.ids), self.g)
+        return tf.stack([tf.einsum("btd,btd->b", tf.gather(v[j], pos), self.g)
                          for j in range(r)])
 
     def weighted_sum(self, w):
