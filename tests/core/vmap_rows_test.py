@@ -25,6 +25,23 @@ L = keras.layers
 _LOSS = build_per_example_loss("mse")
 
 
+class _Floatx:
+    """Models built in ``dtype`` (floatx and the global dtype policy: an earlier test may have
+    set an explicit policy, which floatx alone would not override)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self._saved = keras.config.floatx(), keras.config.dtype_policy()
+        keras.config.set_floatx(self.dtype)
+        keras.config.set_dtype_policy(self.dtype)
+
+    def __exit__(self, *exc):
+        keras.config.set_floatx(self._saved[0])
+        keras.config.set_dtype_policy(self._saved[1])
+
+
 def _set_weights(model, seed):
     rng = np.random.default_rng(seed)
     model.set_weights([rng.normal(0.0, 0.7, size=w.shape).astype(w.dtype)
@@ -33,28 +50,22 @@ def _set_weights(model, seed):
 
 
 def _text_model(dtype, mask_zero=False, rows=11, width=4, steps=6):
-    keras.config.set_floatx(dtype)
-    try:
+    with _Floatx(dtype):
         model = keras.Sequential([keras.Input((steps,), dtype="int32"),
                                   L.Embedding(rows, width, mask_zero=mask_zero),
                                   L.Dense(5, activation="tanh"),
                                   L.GlobalAveragePooling1D(),
                                   L.Dense(2)])
-    finally:
-        keras.config.set_floatx("float32")
     return _set_weights(model, 3)
 
 
 def _two_tables(dtype):
-    keras.config.set_floatx(dtype)
-    try:
+    with _Floatx(dtype):
         tokens = keras.Input((6,), dtype="int32")
         pos = keras.Input((6,), dtype="int32")
         h = L.Add()([L.Embedding(9, 4)(tokens), L.Embedding(6, 4)(pos)])
         out = L.Dense(2)(L.Flatten()(h))
         model = keras.Model([tokens, pos], out)
-    finally:
-        keras.config.set_floatx("float32")
     return _set_weights(model, 4)
 
 
@@ -137,14 +148,11 @@ def test_loop_fallback_gives_the_same_rows():
 def test_a_table_also_read_densely_stays_dense_and_exact():
     # Tied weights: the table is gathered and multiplied (ReversibleEmbedding's reverse
     # projection); its gradient is no longer row slices alone.
-    keras.config.set_floatx("float64")
-    try:
+    with _Floatx("float64"):
         table = L.ReversibleEmbedding(7, 4)
         ids = keras.Input((5,), dtype="int32")
         out = L.GlobalAveragePooling1D()(table(table(ids), reverse=True))
         model = _set_weights(keras.Model(ids, out), 5)
-    finally:
-        keras.config.set_floatx("float32")
     x = _ids(rows=7, steps=5)
     y = np.random.default_rng(4).normal(size=(7, 7))
     per, _, _ = vmap.per_example_gradients(model, _LOSS, x, y, None,
