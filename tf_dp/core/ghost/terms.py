@@ -64,9 +64,16 @@ class OuterTerm(Term):
         self.dz_fn = dz_fn or rows
 
     def factors(self, dz):
-        a = self.a_fn()
         g = self.dz_fn(dz)
-        return tf.cast(a, g.dtype), g
+        # The input factor (for a convolution its im2col patches, kh*kw times its input)
+        # depends on the forward pass only: made without a dependency, the executor may form
+        # it during the forward pass and keep it alive through the whole backward pass. Under
+        # one on its own output gradient it exists from the moment that gradient does (for a
+        # first layer, the end of the backward pass) to its use. (Tensors a_fn returns as
+        # they are, such as a layer's input, are unaffected: they exist anyway.)
+        with tf.control_dependencies([g]):
+            a = self.a_fn()
+            return tf.cast(a, g.dtype), g
 
     def per_example(self, dz):
         a, g = self.factors(dz)

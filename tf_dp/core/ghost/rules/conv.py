@@ -4,7 +4,10 @@ output positions l, with im2col patches of the input (Goodfellow 2015; Rochette 
 
 * Conv1D / Conv2D / Conv3D: one outer-product term on the patches (a general n-D im2col by
   strided slices for Conv3D; the one-hot-kernel fast path of ``terms.conv_patches`` for 1-D
-  and 2-D).
+  and 2-D). A Conv1D/Conv2D kernel whose per-example gradient the factors would
+  materialise anyway (few input channels: T^2 > d*p) gets it directly instead, formed a
+  chunk of examples at a time, so the whole batch's patches never exist
+  (``_direct_kernel_gradient``; docs/scaling.md section 3 (b)).
 * DepthwiseConv1D / DepthwiseConv2D: output channel ``c * multiplier + m`` sees only input
   channel c, so the per-example kernel gradient ``sum_l patch_l[k, c] dz_l[c, m]`` is no
   outer product of the kernel's flattened axes: it is formed directly (B x kernel entries).
@@ -29,12 +32,14 @@ from __future__ import annotations
 import itertools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dp import _internals
+from tf_dp.core.ghost.factors import _use_ghost
 from tf_dp.core.ghost.registry import register_ghost_rule
 from tf_dp.core.ghost.rules._common import activation, covers
-from tf_dp.core.ghost.terms import conv_patches, rows
+from tf_dp.core.ghost.terms import _EYE_CONV_MAX_WIDTH, conv_patches, rows
 
 # ----------------------------------------------------------------------------- patches
 
@@ -150,10 +155,148 @@ def _conv(layer, ctx, inputs):
     def dz_fn(dz):
         return rows(dz if channels_last else tf.transpose(dz, perm))
 
-    ctx.outer(layer.kernel, z, a_fn, dz_fn)
+    if _direct_kernel_gradient(layer, x, z):
+        ctx.direct(layer.kernel, z, _chunked_kernel_gradient(
+            layer, x if channels_last else tf.transpose(x, perm), padding, dz_fn))
+    else:
+        ctx.outer(layer.kernel, z, a_fn, dz_fn)
     if layer.use_bias:
         ctx.direct(layer.bias, z, lambda dz: tf.reduce_sum(dz_fn(dz), axis=1))
     return activation(layer, z)
+
+
+# ------------------------------------- per-example kernel gradients without full patches
+
+#: the patches of one chunk of examples take at most about this many bytes
+_CHUNK_BYTES = 4 << 20
+
+
+def _direct_kernel_gradient(layer, x, z) -> bool:
+    """Whether a Conv1D/Conv2D kernel's per-example gradient is formed outright, a chunk of
+    examples at a time (patches and product per chunk), instead of recorded as an
+    outer-product term on the im2col patches (B, T, d): T output positions,
+    d = prod(kernel_size) * in_channels, p = filters.
+
+    Chosen when the factors would materialise it anyway for exact norms
+    (``factors._use_ghost``: always when T^2 > d*p) and it is not much larger than the
+    factors: p <= T when T^2 > d*p (a tutorial CNN's first convolution, 28x28x1 input,
+    8x8 kernel, 16 filters: T = 196, d = 64, p = 16), else d*p <= 2T(d + p) (its second,
+    T = 25, d = 256, p = 32). Then the patches, kh*kw times the layer's input, exist for one
+    chunk of examples at a time only, and the per-example gradients (B, d, p) take their
+    place; chunks that fit in cache also make the products faster (docs/step_time.md). JL
+    projections then project the per-example gradients: B*T*d*p + r*B*d*p multiply-adds
+    against r*B*T*d*p for projecting the factors, at most twice their memory for r = 1.
+    """
+    if layer.rank not in (1, 2) or not z.shape[1:].is_fully_defined():
+        return False
+    if not x.shape[1:].is_fully_defined():
+        return False
+    p = layer.filters
+    steps = z.shape[1:].num_elements() // p
+    width = int(np.prod(layer.kernel_size)) * layer.kernel.shape[-2]
+    if steps * steps > width * p:
+        return p <= steps
+    if _use_ghost(tf.TensorSpec([None, steps, width]), tf.TensorSpec([None, steps, p])):
+        return False
+    return width * p <= 2 * steps * (width + p)
+
+
+def _s2d_patches(x, kernel_size, strides, padding):
+    """Patches of a strided convolution of a channels-last 4-D ``x`` as those of a stride-1
+    one (space-to-depth: ``x[s*i + r]`` becomes channel r of row i), which oneDNN forms
+    faster. Needs dilation 1 and every kernel size a multiple of its stride.
+
+    Returns (patches (B, T, d), columns (d,)): ``columns[j]`` is the patch column of entry j
+    of the kernel's (kh, kw, cin) row-major order (a permutation: same entries, another
+    order).
+    """
+    cin = x.shape[-1]
+    pads, sizes, blocks = [[0, 0]], [], []
+    for n, k, s in zip(x.shape[1:3], kernel_size, strides):
+        if padding == "same":
+            o = -(-n // s)
+            before = max((o - 1) * s + k - n, 0) // 2
+        else:
+            o, before = (n - k) // s + 1, 0
+        size = (o - 1) * s + k  # the rows the convolution reads, a multiple of s
+        pads.append([before, max(size - n - before, 0)])
+        sizes.append(size)
+        blocks.append(k // s)
+    pads.append([0, 0])
+    xp = tf.pad(x, pads) if any(p != [0, 0] for p in pads) else x
+    xp = xp[:, :sizes[0], :sizes[1], :]
+    (sh, sw), (qh, qw) = strides, blocks
+    y = tf.reshape(xp, [-1, sizes[0] // sh, sh, sizes[1] // sw, sw, cin])
+    y = tf.reshape(tf.transpose(y, [0, 1, 3, 2, 4, 5]),
+                   [-1, sizes[0] // sh, sizes[1] // sw, sh * sw * cin])
+    patches = conv_patches(y, (qh, qw), (1, 1), (1, 1), "valid")
+    columns = [((ki // sh * qw + kj // sw) * sh * sw + ki % sh * sw + kj % sw) * cin + c
+               for ki in range(kernel_size[0]) for kj in range(kernel_size[1])
+               for c in range(cin)]
+    return patches, columns
+
+
+def _chunked_kernel_gradient(layer, x, padding, dz_fn):
+    """``dz -> `` the per-example kernel gradients (B, *kernel.shape) of a Conv1D/Conv2D on
+    the channels-last input ``x``, formed a chunk of examples at a time: the patches and
+    their product for one chunk, so that only one chunk's patches exist at once.
+    """
+    kernel_shape = tuple(layer.kernel.shape)
+    if layer.rank == 1:
+        kernel_size, strides = (1, layer.kernel_size[0]), (1, layer.strides[0])
+        dilation = (1, layer.dilation_rate[0])
+    else:
+        kernel_size, strides = tuple(layer.kernel_size), tuple(layer.strides)
+        dilation = tuple(layer.dilation_rate)
+    # Space-to-depth only where the patches then come from the one-hot convolution (few
+    # channels; measured 2x faster for the tutorial CNN's first layer), not where both come
+    # from extract_patches (its second layer: slower, by the columns' gather).
+    s2d = (max(strides) > 1 and max(dilation) == 1
+           and all(k % s == 0 for k, s in zip(kernel_size, strides))
+           and int(np.prod(kernel_size)) * x.shape[-1] <= _EYE_CONV_MAX_WIDTH)
+    width = int(np.prod(kernel_shape[:-1]))
+
+    def one_chunk(xc, gc):
+        if layer.rank == 1:
+            xc = xc[:, None, :, :]
+        if s2d:
+            a, columns = _s2d_patches(xc, kernel_size, strides, padding)
+        else:
+            a, columns = conv_patches(xc, kernel_size, strides, dilation, padding), None
+        per = tf.einsum("btd,btp->bdp", a, gc)
+        return per if columns is None else tf.gather(per, columns, axis=1)
+
+    def grad_fn(dz):
+        g = dz_fn(dz)
+        xg = tf.cast(x, g.dtype)
+        steps = g.shape[1]
+        chunk = max(1, _CHUNK_BYTES // (steps * width * g.dtype.size))
+        per = _in_chunks(one_chunk, xg, g, chunk, width, layer.filters)
+        return tf.reshape(per, (-1,) + kernel_shape)
+
+    return grad_fn
+
+
+def _in_chunks(fn, x, g, chunk, width, filters):
+    """``fn(x, g)`` (B, width, filters) over chunks of at most ``chunk`` examples, one after
+    the other: n = ceil(B / chunk) chunks of c = ceil(B / n) examples, the last one shorter
+    (its result padded to c rows, fewer than n of them; the inputs are sliced, not copied
+    whole)."""
+    batch = x.shape[0]
+    if isinstance(batch, int) and batch <= chunk:
+        return fn(x, g)
+    b = tf.shape(x)[0]
+    n = tf.maximum((b + chunk - 1) // chunk, 1)
+    c = tf.maximum((b + n - 1) // n, 1)
+
+    def one(i):
+        out = fn(x[i * c:(i + 1) * c], g[i * c:(i + 1) * c])
+        return tf.pad(out, [[0, c - tf.shape(out)[0]], [0, 0], [0, 0]])
+
+    out = tf.map_fn(one, tf.range(n),
+                    fn_output_signature=tf.TensorSpec([None, width, filters], g.dtype),
+                    parallel_iterations=1)
+    return tf.reshape(out, [-1, width, filters])[:b]
 
 
 # ------------------------------------------------------------- depthwise and separable

@@ -1,0 +1,284 @@
+"""Memory fixes for convolutions (docs/scaling.md section 3 (b)) against float64 brute force.
+
+* A Conv1D/Conv2D whose per-example kernel gradient is materialised anyway (T^2 > d*p, no
+  larger than the patches) forms it a chunk of examples at a time, patches included
+  (``rules.conv._chunked_kernel_gradient``; strided kernels through space-to-depth
+  patches): its per-example gradients, norms, bounds, JL projections and clipped sums must
+  equal float64 brute force, for strides, padding, dilation, causal, channels_first, a batch
+  that is no multiple of the chunk and an unknown batch; the full-batch patches must not
+  appear in the traced graph.
+* Every outer-product term forms its input factor (the patches) under a control dependency
+  on its own output gradient (``terms.OuterTerm.factors``): checked on the traced graph.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tests import _reference as ref  # noqa: E402
+from tf_dp.core import build_per_example_loss, clipped_sum, ghost  # noqa: E402
+from tf_dp.core.ghost import terms as terms_module  # noqa: E402
+from tf_dp.core.ghost.factors import FactorOptions, MaterialisedFactors  # noqa: E402
+from tf_dp.core.ghost.rules import conv  # noqa: E402
+
+L = keras.layers
+RNG = np.random.default_rng(23)
+LOSS = build_per_example_loss("mse")
+
+# name: (input shape, first layer's kwargs, rank, takes the space-to-depth patches)
+CASES = {
+    "conv2d_s2d_same": ((10, 10, 2), dict(filters=4, kernel_size=4, strides=2,
+                                          padding="same"), 2, True),
+    "conv2d_s2d_valid_uneven": ((11, 9, 3), dict(filters=3, kernel_size=(4, 3),
+                                                 strides=(2, 1), padding="valid"), 2, True),
+    "conv2d_s2d_same_odd": ((9, 7, 1), dict(filters=3, kernel_size=(2, 4), strides=(2, 2),
+                                            padding="same"), 2, True),
+    # p > T, but materialised for exact norms anyway (the tutorial CNN's second convolution)
+    # (256 columns: extract_patches, no space-to-depth)
+    "conv2d_valid_wide": ((13, 13, 16), dict(filters=32, kernel_size=4, strides=2), 2, False),
+    "conv2d_strided_k3": ((9, 9, 2), dict(filters=3, kernel_size=3, strides=2,
+                                          padding="same"), 2, False),
+    "conv2d_dilated": ((10, 10, 1), dict(filters=2, kernel_size=3, dilation_rate=2), 2, False),
+    "conv2d_wide_patches": ((16, 16, 1), dict(filters=2, kernel_size=12, padding="same"), 2,
+                            False),
+    "conv1d_s2d_same": ((16, 2), dict(filters=3, kernel_size=4, strides=2, padding="same"), 1,
+                        True),
+    "conv1d_causal_dilated": ((11, 4), dict(filters=3, kernel_size=3, padding="causal",
+                                            dilation_rate=2), 1, False),
+    "conv2d_channels_first": ((2, 6, 6), dict(filters=2, kernel_size=2,
+                                              data_format="channels_first"), 2, False),
+}
+
+
+def _model(name, dtype="float32"):
+    shape, kwargs, rank, _ = CASES[name]
+    # No activation: a saturated tanh would make float32's and float64's forward passes
+    # (not the factors) disagree on the huge example.
+    layer = (L.Conv1D if rank == 1 else L.Conv2D)(dtype=dtype, **kwargs)
+    return keras.Sequential([keras.Input(shape, dtype=dtype), layer, L.Flatten(dtype=dtype),
+                             L.Dense(2, dtype=dtype)])
+
+
+def _models(name):
+    keras.utils.set_random_seed(5)
+    m32 = _model(name)
+    m64 = _model(name, "float64")
+    m64.set_weights([w.astype(np.float64) for w in m32.get_weights()])
+    return m32, m64
+
+
+def _batch(name, n, adversarial=True):
+    x = RNG.normal(size=(n,) + CASES[name][0]).astype(np.float32)
+    if adversarial:
+        x[1] *= 1e6  # huge
+        x[2] *= 1e-18  # tiny: products near float32's smallest normal
+        x[3, ..., 0] = 0.0  # a dead channel
+    y = RNG.normal(size=(n, 2)).astype(np.float32)
+    return x, y
+
+
+def _skip_nchw(name):
+    if "channels_first" in name and not ref.cpu_runs_nchw_conv():
+        pytest.skip("this TensorFlow build runs no channels_first Conv2D on this CPU")
+
+
+def _kernel_factors(model, x, y, w, directions, kinds):
+    """The first layer kernel's factors: (per, sq, bound, weighted_sum(w), project)."""
+    kernel = model.layers[0].kernel
+    with tf.GradientTape() as tape:
+        tape.watch([v.value for v in model.trainable_variables])
+        with ghost.capture(ghost.capturable_layers(model), tf.shape(x)[0], tape) as ctx:
+            pred = model(x, training=True)
+        total = tf.reduce_sum(LOSS(y, pred, None))
+    kinds.append([type(t).__name__ for t in ctx.terms()[id(kernel)][1]])
+    f = ghost.backward(ctx, tape, total, FactorOptions())[id(kernel)]
+    assert isinstance(f, MaterialisedFactors)
+    return f.per, f.sq, f.bound, f.weighted_sum(w), f.project(directions)
+
+
+@pytest.mark.parametrize("traced,chunk_examples", [
+    ("eager", 3), ("static_batch", 3), ("unknown_batch", 3),
+    ("static_batch", 1000)])  # one chunk: no loop
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_kernel_gradients_match_float64_brute_force(name, chunk_examples, traced,
+                                                            monkeypatch):
+    _skip_nchw(name)
+    m32, m64 = _models(name)
+    shape, kwargs, rank, s2d = CASES[name]
+    assert conv._direct_kernel_gradient(m32.layers[0], tf.zeros((1,) + shape),
+                                        m32.layers[0](tf.zeros((1,) + shape)))
+    # Chunks of `chunk_examples` examples: 7 is no multiple of 3 (two padded examples).
+    steps = m32.layers[0].compute_output_shape((1,) + shape)
+    steps = int(np.prod(steps[1:])) // kwargs["filters"]
+    width = int(np.prod(m32.layers[0].kernel.shape[:-1]))
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", chunk_examples * steps * width * 4)
+    n = 7
+    x, y = _batch(name, n)
+    w = RNG.uniform(size=n).astype(np.float32)
+    kshape = tuple(m32.layers[0].kernel.shape)
+    v = RNG.normal(size=(2,) + kshape).astype(np.float32)
+    s2d_calls = []
+    original = conv._s2d_patches
+    monkeypatch.setattr(conv, "_s2d_patches", lambda *a: s2d_calls.append(1) or original(*a))
+    kinds = []
+    fn = lambda a, b: _kernel_factors(m32, a, b, tf.constant(w), tf.constant(v), kinds)  # noqa
+    if traced == "static_batch":
+        fn = tf.function(fn)
+    elif traced == "unknown_batch":
+        fn = tf.function(fn, input_signature=[tf.TensorSpec((None,) + shape),
+                                              tf.TensorSpec([None, 2])])
+    per, sq, bound, wsum, proj = [t.numpy() for t in fn(tf.constant(x), tf.constant(y))]
+    assert kinds[0] == ["DirectTerm"]
+    assert bool(s2d_calls) == s2d
+
+    bf = ref.per_example_gradients(m64, LOSS, x.astype(np.float64), y.astype(np.float64),
+                                   variables=[m64.layers[0].kernel])[0]
+    assert per.reshape(n, -1).shape[1] == int(np.prod(kshape))
+    per64 = per.astype(np.float64).reshape(n, -1)
+    bf = bf.reshape(n, -1)
+    scale = np.max(np.abs(bf), axis=1, keepdims=True)
+    err = np.abs(per64 - bf) / (scale + 1e-300)
+    assert np.all((err <= 1e-5) | (np.abs(per64 - bf) <= 1e-37)), np.max(err, axis=1)
+    # The bound is at least the exact norm of what the weighted sum adds (the float32 per).
+    exact = np.sqrt(np.sum(per64 ** 2, axis=1))
+    assert np.all(bound >= exact)
+    # (squares below float32's smallest normal are flushed: the bound's absolute term)
+    np.testing.assert_allclose(sq, exact ** 2, rtol=2e-6, atol=per64.shape[1] * 2.0**-126)
+    np.testing.assert_allclose(exact, np.sqrt(np.sum(bf ** 2, axis=1)), rtol=1e-5)
+    np.testing.assert_allclose(wsum.reshape(-1), w.astype(np.float64) @ bf,
+                               rtol=1e-5, atol=1e-6 * np.max(np.abs(w @ bf)))
+    np.testing.assert_allclose(proj, v.reshape(2, -1).astype(np.float64) @ bf.T,
+                               rtol=1e-4, atol=1e-5 * np.max(np.abs(bf)) * 10)
+
+
+def test_space_to_depth_patches_are_a_permutation_of_the_patches():
+    for shape, k, s, padding in [((9, 12, 3), (4, 6), (2, 3), "same"),
+                                 ((10, 7, 2), (2, 2), (2, 2), "valid"),
+                                 ((8, 8, 1), (8, 8), (2, 2), "same"),
+                                 ((13, 13, 16), (4, 4), (2, 2), "valid"),
+                                 ((5, 11, 2), (1, 4), (1, 2), "same")]:
+        x = tf.constant(RNG.normal(size=(3,) + shape).astype(np.float32))
+        want = conv._flat_patches(x, k, s, (1, 1), padding).numpy()
+        got, columns = conv._s2d_patches(x, k, s, padding)
+        assert sorted(columns) == list(range(len(columns)))
+        np.testing.assert_array_equal(tf.gather(got, columns, axis=2).numpy(), want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 6, 7, 13])
+def test_in_chunks_covers_every_example_once(n):
+    # small integers: every product and sum exact, whatever order a kernel takes
+    x = tf.constant(RNG.integers(-3, 4, size=(n, 4, 3)).astype(np.float32))
+    g = tf.constant(RNG.integers(-3, 4, size=(n, 4, 2)).astype(np.float32))
+    fn = lambda a, b: tf.einsum("btd,btp->bdp", a, b)  # noqa: E731
+    want = fn(x, g).numpy()
+    for chunk in (1, 3, 6, 100):
+        np.testing.assert_array_equal(conv._in_chunks(fn, x, g, chunk, 3, 2).numpy(), want)
+        traced = tf.function(lambda a, b, c=chunk: conv._in_chunks(fn, a, b, c, 3, 2),
+                             input_signature=[tf.TensorSpec([None, 4, 3]),
+                                              tf.TensorSpec([None, 4, 2])])
+        np.testing.assert_array_equal(traced(x, g).numpy(), want)
+
+
+def _norms_and_grads(res):
+    return res.norms, res.grads
+
+
+@pytest.mark.parametrize("name", ["conv2d_s2d_same", "conv1d_causal_dilated",
+                                  "conv2d_channels_first"])
+def test_clipped_sum_with_chunks_and_unknown_batch_matches_brute_force(name, monkeypatch):
+    _skip_nchw(name)
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)  # one example per chunk
+    m32, m64 = _models(name)
+    x, y = _batch(name, 5, adversarial=False)
+    norms, sums = ref.clipped_sum_reference(m64, LOSS, x.astype(np.float64),
+                                            y.astype(np.float64), 1.0)
+    clip = float(np.min(norms)) * 0.5  # every example clipped
+    norms, sums = ref.clipped_sum_reference(m64, LOSS, x.astype(np.float64),
+                                            y.astype(np.float64), clip)
+    fn = tf.function(lambda a, b: _norms_and_grads(clipped_sum(m32, a, b, None, LOSS, clip)),
+                     input_signature=[tf.TensorSpec((None,) + x.shape[1:]),
+                                      tf.TensorSpec([None, 2])])
+    got_norms, grads = fn(tf.constant(x), tf.constant(y))
+    np.testing.assert_allclose(got_norms.numpy(), norms, rtol=1e-5)
+    for got, want in zip(grads, sums):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+def _function_ops(graph, op_type):
+    """Nodes of type ``op_type`` in the functions ``graph`` calls (while bodies, ...)."""
+    return [n for f in graph.as_graph_def().library.function for n in f.node_def
+            if n.op == op_type]
+
+
+def _trace(model, shape):
+    fn = tf.function(lambda a, b: clipped_sum(model, a, b, None, LOSS, 1.0).grads,
+                     input_signature=[tf.TensorSpec((None,) + shape),
+                                      tf.TensorSpec([None, 2])])
+    return fn.get_concrete_function().graph
+
+
+def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(monkeypatch):
+    # 12x12 patches of one channel (144 > 128 columns: tf.image.extract_patches): with the
+    # batch unknown the patches exist only inside the loop over chunks.
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
+    keras.utils.set_random_seed(5)
+    model = _model("conv2d_wide_patches")
+    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    outer = [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
+    assert not outer
+    assert _function_ops(graph, "ExtractImagePatches")  # the chunks' own
+
+
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        o = todo.pop()
+        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                todo.append(parent)
+    return seen
+
+
+def test_patches_of_an_outer_term_wait_for_their_output_gradient():
+    # T^2 <= d*p (9 positions, 256 x 32 kernel): an outer-product term on the patches
+    # (256 columns: tf.image.extract_patches). Without the control dependency the patches
+    # depend on the forward pass only and the executor may form them before the backward
+    # pass (and hold them through it).
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([keras.Input((6, 6, 16)), L.Conv2D(32, 4, activation="tanh"),
+                              L.Flatten(), L.Dense(2)])
+    assert not conv._direct_kernel_gradient(model.layers[0], tf.zeros((1, 6, 6, 16)),
+                                            tf.zeros((1, 3, 3, 32)))
+    graph = _trace(model, (6, 6, 16))
+    patches = [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
+    assert len(patches) == 1
+    assert any(name.startswith("gradient_tape/") for name in _ancestors(patches[0]))
+    # and the model's forward convolution does not (the test can tell the two apart)
+    forward = [op for op in graph.get_operations() if op.type == "Conv2D"]
+    assert forward and not any(
+        any(n.startswith("gradient_tape/") for n in _ancestors(op)) for op in forward)
+
+
+def test_input_factor_of_every_outer_term_is_made_after_its_gradient():
+    # The same for any outer-product term (Dense, EinsumDense, recurrent kernels): the op
+    # a_fn makes has the term's output gradient among its ancestors.
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 4])])
+    def run(x):
+        z = x * 2.0
+        dz = tf.identity(z * 3.0, name="the_gradient")
+        term = terms_module.OuterTerm(z, lambda: tf.reshape(x, [-1, 3, 4], name="factor"))
+        return term.factors(dz)
+
+    graph = run.get_concrete_function().graph
+    assert "the_gradient" in _ancestors(graph.get_operation_by_name("factor"))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
