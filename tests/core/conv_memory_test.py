@@ -269,7 +269,7 @@ def test_patches_of_an_outer_term_wait_for_their_output_gradient():
 def test_input_factor_of_every_outer_term_is_made_after_its_gradient():
     # The same for any outer-product term (Dense, EinsumDense, recurrent kernels): the op
     # a_fn makes has the term's output gradient among its ancestors.
-    @tf.function(input_signature=[tf.TensorSpec([None, 3, 4])])
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 4])], autograph=False)
     def run(x):
         z = x * 2.0
         dz = tf.identity(z * 3.0, name="the_gradient")
