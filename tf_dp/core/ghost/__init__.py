@@ -45,10 +45,17 @@ def backward(ctx: GhostContext, tape: tf.GradientTape, total_loss,
     handles = [_handle(v) for v, _ in entries.values()]
     grads = tape.gradient(total_loss, zs + handles,
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-    dz_map = {id(z): dz for z, dz in zip(zs, grads[:len(zs)])}
+    dz_map = {id(z): None if dz is None else tf.convert_to_tensor(dz)
+              for z, dz in zip(zs, grads[:len(zs)])}
+    # Factors are formed once the whole backward pass has run (every output gradient
+    # exists): a layer's per-example products, patches or norms formed as soon as its own
+    # output gradient exists would be held through the rest of the backward pass, next to
+    # its activations and gradients (docs/scaling.md 3 (b)). Same values.
+    backward_done = [dz for dz in dz_map.values() if dz is not None]
 
     def dz_of(t):
-        dz = tf.convert_to_tensor(dz_map[id(t.z)])
+        with tf.control_dependencies(backward_done):
+            dz = tf.identity(dz_map[id(t.z)])
         return tf.cast(dz, accumulation_dtype(dz.dtype))
 
     out = {}
