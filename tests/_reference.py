@@ -87,6 +87,33 @@ def clipped_sum_reference(model, loss_fn, x, y, l2_norm_clip, sample_weight=None
     return norms, sums
 
 
+def jl_step_directions(model, x, num_projections, seed):
+    """The JL directions a private step of ``model`` on ids/inputs ``x`` uses: list over j of
+    lists over ``model.trainable_variables`` of tensors in the variables' shapes.
+
+    ``tf_dp.core.jl.directions`` for every weight, except the tables of Keras ``Embedding``
+    layers read from ``x`` itself (the first layer), which the step draws on the batch's
+    distinct ids only (``jl.draw_rows``, in their order of first appearance, as
+    ``tf.unique`` gives them); their other rows get no gradient and are zero here.
+    """
+    import keras  # noqa: PLC0415 (only this helper needs it)
+
+    from tf_dp.core import jl  # noqa: PLC0415
+
+    variables = model.trainable_variables
+    dirs = [list(d) for d in jl.directions(variables, num_projections, seed)]
+    tables = [layer.embeddings for layer in model.layers if type(layer) is keras.layers.Embedding]
+    rows = list(dict.fromkeys(np.asarray(x).ravel().tolist()))
+    for i, v in enumerate(variables):
+        if any(v is t for t in tables):
+            drawn = jl.draw_rows(v, i, num_projections, seed, len(rows)).numpy()
+            for j in range(num_projections):
+                full = np.zeros(v.shape, drawn.dtype)
+                full[rows] = drawn[j]
+                dirs[j][i] = tf.constant(full)
+    return dirs
+
+
 def cpu_runs_nchw_conv():
     """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
     on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
@@ -99,4 +126,4 @@ def cpu_runs_nchw_conv():
 
 
 __all__ = ["clip_weights", "clipped_sum_reference", "cpu_runs_nchw_conv",
-           "per_example_gradients", "per_example_norms"]
+           "jl_step_directions", "per_example_gradients", "per_example_norms"]

@@ -2,13 +2,13 @@
 per-example gradients (docs/scaling.md, section 3 (c) and (d)).
 
 * Every projection the JL strategy forms equals ``<g_i, v_j>`` from float64 brute-force
-  per-example gradients (a loop over single examples) and the directions of
-  ``jl.directions`` (the whole direction: for an embedding table every row, drawn row by
-  row), on each changed path: outer-product factors projected or materialised, embedding
-  tables through their factors (only the rows the batch looks up are drawn) and through
-  forward-mode JVPs (the whole table), repeated ids across examples, ``mask_zero`` padding.
-* The directions of every other weight are the same numbers as before (the old
-  ``jl.directions`` is copied below); an embedding row is ``stateless_normal(fold_in(s, row))``.
+  per-example gradients (a loop over single examples) and the directions the step draws
+  (``jl.directions``; for an embedding table with ghost factors, ``jl.draw_rows`` on the
+  batch's distinct ids), on each changed path: outer-product factors projected or
+  materialised, embedding tables through their factors and through forward-mode JVPs (the
+  whole table), repeated ids across examples, ``mask_zero`` padding.
+* The directions of every weight drawn whole are the same numbers as before (the old
+  ``jl.directions`` is copied below).
 * Rows drawn alone: ``<g_i, v>`` over many seeds has the law N(0, ||g_i||^2) (chi-square and
   KS checks whose power against per-position directions and a 20 % variance error is shown),
   and examples that look up one row see one vector.
@@ -98,8 +98,20 @@ def _brute_projections(model, loss_fn, x, y, r, seed):
     """(r, B) ``<g_i, v_j>`` in float64: per-example gradients by a loop over examples,
     directions from jl.directions."""
     per = _reference.per_example_gradients(model, loss_fn, x, y)
-    dirs = jl.directions(model.trainable_variables, r, seed)
-    return np.array([[sum(float(np.sum(p[i] * d.numpy())) for p, d in zip(per, dirs[j]))
+    variables = model.trainable_variables
+    dirs = [[d.numpy() for d in dj] for dj in jl.directions(variables, r, seed)]
+    # A table with ghost factors (keras Embedding) gets its directions on the batch's
+    # distinct ids only, in their order of first appearance (tf.unique); other rows get no
+    # gradient, so any values do there.
+    rows = list(dict.fromkeys(np.asarray(x).ravel().tolist()))
+    tables = [layer.embeddings for layer in model.layers if type(layer) is L.Embedding]
+    for i, v in enumerate(variables):
+        if any(v is t for t in tables):
+            drawn = jl.draw_rows(v, i, r, seed, len(rows)).numpy()
+            for j in range(r):
+                dirs[j][i] = np.zeros(v.shape)
+                dirs[j][i][rows] = drawn[j]
+    return np.array([[sum(float(np.sum(p[i] * d)) for p, d in zip(per, dirs[j]))
                       for i in range(len(x))] for j in range(r)])
 
 
@@ -131,8 +143,6 @@ def test_the_models_take_the_paths_they_are_meant_to():
     # Conv1D(4, 3) on (B, 6, 90): patches (B, 4, 270), 1080 <= 4096: materialised.
     assert _materialise_for_projection(shape(4, 270), shape(4, 4), 3)
     assert not _materialise_for_projection(shape(4, 270), shape(4, 4), 1)
-    model = _model("mixed")
-    assert [jl.row_seeded(v) for v in model.trainable_variables].count(True) == 2
 
 
 # ------------------------------------------------------------------ (c) materialising
@@ -192,7 +202,7 @@ def _variables():
     return model, model.trainable_variables
 
 
-def test_directions_of_other_weights_are_unchanged_and_embedding_rows_are_fold_in_seeded():
+def test_whole_directions_are_unchanged_and_rows_come_from_their_own_stream():
     _, variables = _variables()
     seed, r = _seed(5, 17), 3
     new = jl.directions(variables, r, seed)
@@ -202,33 +212,31 @@ def test_directions_of_other_weights_are_unchanged_and_embedding_rows_are_fold_i
         for j in range(r):
             got = new[j][i].numpy()
             assert got.shape == tuple(v.shape) and got.dtype == v.dtype
-            if not jl.row_seeded(v):
-                np.testing.assert_array_equal(got, old[j][i].numpy(), err_msg=v.path)
-                continue
+            np.testing.assert_array_equal(got, old[j][i].numpy(), err_msg=v.path)
+            np.testing.assert_array_equal(jl.draw(v, i, r, seed, projection=j).numpy(), got)
+        if len(v.shape) != 2:
+            continue
+        rows = jl.draw_rows(v, i, r, seed, 4).numpy()
+        assert rows.shape == (r, 4, v.shape[1]) and rows.dtype == v.dtype
+        for j in range(r):
             s = tf.random.experimental.stateless_fold_in(
                 tf.random.experimental.stateless_fold_in(base, j), i)
-            for k in (0, 1, 7, v.shape[0] - 1):
-                row = tf.random.stateless_normal([v.shape[1]], dtype=v.dtype, seed=tf.random
-                                                 .experimental.stateless_fold_in(s, k))
-                np.testing.assert_array_equal(got[k], row.numpy(), err_msg=f"{v.path} {k}")
-            # draw (one projection) and draw_rows give the same numbers.
-            np.testing.assert_array_equal(jl.draw(v, i, r, seed, projection=j).numpy(), got)
-            rows = tf.constant([7, 3, 7, 0], tf.int32)
-            np.testing.assert_array_equal(jl.draw_rows(v, i, r, seed, rows)[j].numpy(),
-                                          got[[7, 3, 7, 0]])
+            want = tf.random.stateless_normal(
+                [4, v.shape[1]], dtype=v.dtype,
+                seed=tf.random.experimental.stateless_fold_in(s, 0x524F))
+            np.testing.assert_array_equal(rows[j], want.numpy())
+            # not rows of the whole direction (their own stream)
+            assert not np.any(np.all(rows[j][:, None] == new[j][i].numpy()[None], axis=-1))
     assert not np.allclose(new[0][0].numpy(), new[1][0].numpy())
 
 
 def test_rows_drawn_alone_handle_no_rows_and_other_dtypes():
     var = tf.Variable(tf.zeros([9, 5], tf.float64), name="embeddings")
-    assert jl.row_seeded(var)
-    empty = jl.draw_rows(var, 0, 2, _seed(1, 1), tf.zeros([0], tf.int32))
+    empty = jl.draw_rows(var, 0, 2, _seed(1, 1), 0)
     assert empty.shape == (2, 0, 5) and empty.dtype == tf.float64
-    full = jl.draw(var, 0, 70, _seed(1, 1))  # r above the rows per loop iteration
-    part = jl.draw_rows(var, 0, 70, _seed(1, 1), tf.constant([8, 2], tf.int32))
-    np.testing.assert_array_equal(part.numpy(), full.numpy()[:, [8, 2]])
-    assert not jl.row_seeded(tf.Variable(tf.zeros([9, 5]), name="kernel"))
-    assert not jl.row_seeded(tf.Variable(tf.zeros([9]), name="embeddings"))
+    many = jl.draw_rows(var, 0, 70, _seed(1, 1), tf.constant(2))
+    assert many.shape == (70, 2, 5)
+    assert len({tuple(np.round(m, 12).ravel()) for m in many.numpy()}) == 70
 
 
 def _embedding_case():
@@ -276,7 +284,7 @@ def test_rows_only_projection_has_the_law_of_a_full_direction():
     @tf.function
     def project(seed):
         rows, pos = f.unique_rows()
-        return f.project_rows(jl.draw_rows(var, 2, r, seed, rows), pos)
+        return f.project_rows(jl.draw_rows(var, 2, r, seed, tf.size(rows)), pos)
 
     p = np.concatenate([project(_seed(31, s)).numpy() for s in range(steps)]).astype(np.float64)
     sq = np.sum(dense.astype(np.float64) ** 2, axis=(1, 2))
@@ -304,13 +312,14 @@ def test_examples_looking_up_one_row_see_one_vector():
     for s in range(5):
         seed = _seed(8, s)
         rows, pos = f.unique_rows()
-        p = f.project_rows(jl.draw_rows(var, 0, 2, seed, rows), pos).numpy()
+        drawn = jl.draw_rows(var, 0, 2, seed, tf.size(rows))
+        p = f.project_rows(drawn, pos).numpy()
         np.testing.assert_array_equal(p[:, 0], p[:, 1])
         np.testing.assert_array_equal(p[:, 0], p[:, 2])
         assert np.all(p[:, 3] != p[:, 0])
-        # ... and it is the vector of the whole direction (the projection by jl.draw).
-        np.testing.assert_allclose(p, f.project(jl.draw(var, 0, 2, seed)).numpy(), rtol=1e-6)
-        want = np.einsum("d,jd->j", u, jl.draw(var, 0, 2, seed).numpy()[:, 4])
+        # ... and it is the vector drawn for row 4, at its place among the distinct ids.
+        m = list(rows.numpy()).index(4)
+        want = np.einsum("d,jd->j", u, drawn.numpy()[:, m])
         np.testing.assert_allclose(p[:, 0], want, rtol=1e-5)
 
 

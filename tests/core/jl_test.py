@@ -23,6 +23,7 @@ import tensorflow as tf
 from scipy import stats
 
 import tf_dp
+from tests import _reference as ref
 from tf_dp.core import build_per_example_loss, clipped_sum, jl
 from tf_dp.keras import make_private
 from tf_dp.optimizers import DPAdamJL, DPAdamWJL, DPSGDJL
@@ -284,10 +285,13 @@ def test_projections_match_finite_differences(name, r):
     _, _, projections = jl.forward_projections(model, loss_fn, x, y, None, variables, dirs,
                                                tf.GradientTape())
     np.testing.assert_allclose(projections.numpy(), fd, rtol=1e-6, atol=1e-9)
-    # clipped_sum draws its directions from the same seed: M_i = sqrt(mean_j fd_ij^2).
+    # clipped_sum draws its directions from the same seed (an embedding table's on the
+    # batch's ids only): M_i = sqrt(mean_j fd_ij^2) along them.
     res = clipped_sum(model, x, y, None, loss_fn, 1e9, norm_strategy="jl", num_projections=r,
                       seed=seed)
-    np.testing.assert_allclose(res.norms.numpy(), np.sqrt(np.mean(fd ** 2, axis=0)),
+    step_fd = np.stack([_central_differences(model, x, y, loss_fn, d)
+                        for d in ref.jl_step_directions(model, x, r, seed)])
+    np.testing.assert_allclose(res.norms.numpy(), np.sqrt(np.mean(step_fd ** 2, axis=0)),
                                rtol=1e-6)
     # ... and <exact g_i, v_j> (brute force) is the same number.
     bf = _brute_force(model, loss_fn, x, y)
@@ -378,7 +382,7 @@ def test_norm_estimate_and_clipped_gradient_share_the_random_masks(kind):
     loss_fn = build_per_example_loss("mse")
     r, clip, seed = 4, 0.05, (21, 0)
     dirs = [[t.numpy() for t in d] for d in
-            jl.directions(model.trainable_variables, r, _seed(*seed))]
+            ref.jl_step_directions(model, x, r, _seed(*seed))]
 
     def rms_projection(res):
         m = float(res.norms.numpy()[0])

@@ -28,24 +28,8 @@ from tf_dp.core import vmap
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
-#: rows of a row-seeded direction drawn per iteration of the drawing loop, over all r
-#: directions (the loop's overhead per iteration is shared by this many small draws).
-_ROW_DRAWS_PER_ITERATION = 64
-
-
-def row_seeded(variable) -> bool:
-    """Whether ``variable``'s directions are drawn row by row: embedding tables (a 2-D
-    weight named ``embeddings``, as ``keras.layers.Embedding``'s).
-
-    Row ``k`` of such a direction is ``stateless_normal([width], fold_in(s, k))`` for the
-    variable's seed ``s``, so the rows a batch looks up can be drawn alone (O(r B T width)
-    instead of O(r vocabulary width)) and are the same numbers as in the full direction:
-    every example that looks a row up, and every way of projecting, sees the same vector.
-    Every other weight's direction is one ``stateless_normal(shape, s)``.
-    """
-    name = getattr(variable, "name", "") or ""
-    return (len(variable.shape) == 2
-            and name.split(":")[0].rsplit("/", 1)[-1] == "embeddings")
+#: separates the seeds of a table's rows drawn alone from its whole directions' seeds.
+_ROWS_STREAM = 0x524F  # "RO"
 
 
 def _variable_seeds(num_projections: int, seed, index: int):
@@ -63,36 +47,30 @@ def draw(variable, index: int, num_projections: int, seed, projection=None):
     seeds = _variable_seeds(num_projections, seed, index)
     if projection is not None:
         seeds = seeds[projection:projection + 1]
-    if row_seeded(variable):
-        out = _draw_rows(variable, seeds, tf.range(variable.shape[0], dtype=tf.int32))
-    else:
-        out = tf.stack([tf.random.stateless_normal(variable.shape, seed=s, dtype=variable.dtype)
-                        for s in seeds])
+    out = tf.stack([tf.random.stateless_normal(variable.shape, seed=s, dtype=variable.dtype)
+                    for s in seeds])
     return out if projection is None else out[0]
 
 
-def draw_rows(variable, index: int, num_projections: int, seed, rows):
-    """Rows ``rows`` (int32 (U,)) of the r directions of the row-seeded variable number
-    ``index``: (r, U, width), the same numbers as those rows of :func:`draw`'s."""
-    return _draw_rows(variable, _variable_seeds(num_projections, seed, index), rows)
+def draw_rows(variable, index: int, num_projections: int, seed, num_rows):
+    """Directions of a table read by row lookups (an embedding), on the rows a batch looks up
+    only: (r, num_rows, width), row m for the batch's m-th distinct id.
 
-
-def _draw_rows(variable, seeds, rows):
-    r, width, dtype = len(seeds), variable.shape[1], variable.dtype
-    # fold_in(s, k) = [uniform_full_int(s), k] (k int32): its first word once per seed.
-    firsts = tf.stack([tf.random.experimental.stateless_fold_in(s, 0)[0] for s in seeds])
-    chunk = max(1, _ROW_DRAWS_PER_ITERATION // r)
-    n = tf.shape(rows)[0]
-    padded = tf.reshape(tf.pad(rows, [[0, (-n) % chunk]]), [-1, chunk])
-
-    def body(ks):
-        return tf.stack([tf.stack([
-            tf.random.stateless_normal([width], seed=tf.stack([firsts[j], ks[m]]), dtype=dtype)
-            for j in range(r)]) for m in range(chunk)])
-
-    out = tf.map_fn(body, padded, fn_output_signature=tf.TensorSpec([chunk, r, width], dtype))
-    out = tf.reshape(out, [-1, r, width])[:n]
-    return tf.transpose(out, [1, 0, 2])
+    Only looked-up rows enter a projection (``<g_i, v> = sum_t <v[id_it], g_it>``), so a
+    direction is needed on those rows alone: O(r B T width) draws instead of O(r rows width)
+    (for a 32000-row table, most of JL's time and memory). The rows are drawn together, i.i.d.
+    N(0, 1) from the step's secret seed (their own stream, so not the rows of
+    :func:`draw`'s direction), and matched to the distinct ids by their order. Whatever the
+    ids and their order, the values on the looked-up rows are i.i.d. N(0, 1) and independent
+    of the data, the law of a whole direction's restriction to those rows: the projections
+    have exactly the law they have with a whole direction, which is what the JL accounting
+    assumes. Within a step each example that looks a row up sees the same vector.
+    """
+    seeds = _variable_seeds(num_projections, seed, index)
+    shape = tf.stack([tf.cast(num_rows, tf.int32), variable.shape[1]])
+    return tf.stack([tf.random.stateless_normal(
+        shape, seed=tf.random.experimental.stateless_fold_in(s, _ROWS_STREAM),
+        dtype=variable.dtype) for s in seeds])
 
 
 def directions(variables, num_projections: int, seed):
@@ -100,8 +78,9 @@ def directions(variables, num_projections: int, seed):
 
     ``seed`` is a (2,) int tensor (the optimizer's noise seed and step): the same seed gives
     the same projections. Variable ``i``'s direction ``j`` has seed ``fold_in(fold_in(base,
-    j), i)`` (drawn row by row for embedding tables, :func:`row_seeded`); the JL strategy
-    draws each variable's directions alone (:func:`draw`), the same numbers.
+    j), i)``; the JL strategy draws each variable's directions alone (:func:`draw`), the
+    same numbers, and an embedding table with ghost factors on its looked-up rows only
+    (:func:`draw_rows`).
     """
     per_variable = [draw(v, i, num_projections, seed) for i, v in enumerate(variables)]
     return [[d[j] for d in per_variable] for j in range(num_projections)]

@@ -227,7 +227,8 @@ class JL(NormStrategy):
         # and the previous weight's projections are formed (last layers first, as the
         # backward pass forms their factors): one weight's directions are alive at a time,
         # not r full copies of every weight from the start of the step. Same numbers as
-        # jl.directions(variables, r, seed).
+        # jl.directions(variables, r, seed), except for tables with embedding factors,
+        # drawn on the looked-up rows only (jl.draw_rows).
         parts, previous = {}, []
         for k in reversed(range(len(variables))):
             if id(variables[k]) in by_id:
@@ -257,13 +258,13 @@ class JL(NormStrategy):
         scope ``jl_directions_<index>``) under a control dependency on the factors and on
         ``after``."""
         r = self._r
-        embedding = jl.row_seeded(variable) and isinstance(factors, EmbeddingFactors)
+        embedding = isinstance(factors, EmbeddingFactors)
         if embedding:
             rows, pos = factors.unique_rows()
         with tf.name_scope(f"jl_directions_{index}"), \
                 tf.control_dependencies(factors.dependencies() + list(after)):
             if embedding:  # only the rows the batch looks up
-                dirs = jl.draw_rows(variable, index, r, seed, rows)
+                dirs = jl.draw_rows(variable, index, r, seed, tf.size(rows))
             else:
                 dirs = jl.draw(variable, index, r, seed)
         if embedding:
