@@ -280,13 +280,13 @@ def test_input_factor_of_every_outer_term_is_made_after_its_gradient():
     assert "the_gradient" in _ancestors(graph.get_operation_by_name("factor"))
 
 
-def test_every_factor_is_formed_after_the_whole_backward_pass():
-    # Every layer's factors wait for every recorded output gradient: the Dense head's and
-    # conv2's per-example products are formed after conv1's output gradient (which conv2's
-    # Conv2DBackpropInput produces), not during the rest of the backward pass, where they
-    # would be held next to its activations and gradients (the CNN's largest batch 0.69x ->
-    # 0.83x non-private, docs/scaling.md section 7). Without ghost.backward's control
-    # dependency the Dense factors do not depend on that op.
+def test_factors_of_weights_larger_than_their_output_gradient_wait_for_the_backward_pass():
+    # A weight larger than its output gradient per example (conv2: 1152 > 576, the Dense
+    # head) gets its factors after every recorded output gradient exists: its per-example
+    # product is formed after conv1's output gradient (which conv2's Conv2DBackpropInput
+    # produces), not during the rest of the backward pass, where it would be held next to
+    # its activations and gradients (docs/scaling.md section 7). Without ghost.backward's
+    # control dependency the Dense factors do not depend on that op.
     from tf_dp.core.norm_strategies import _Batch, _ghost_pass
 
     keras.utils.set_random_seed(8)
@@ -299,10 +299,10 @@ def test_every_factor_is_formed_after_the_whole_backward_pass():
         batch = _Batch(model, a, b, None, LOSS, model.trainable_variables, "error")
         by_id, _, _ = _ghost_pass(batch, FactorOptions())
         out = []
-        for v in model.trainable_variables:
+        for v in (model.layers[1].kernel, model.layers[3].kernel, model.layers[1].bias):
             f = by_id[id(v)]
-            out += [t for t in (getattr(f, "per", None), getattr(f, "g", None))
-                    if t is not None]
+            out.append([t for t in (getattr(f, "per", None), getattr(f, "g", None))
+                        if t is not None])
         return out
 
     graph = run.get_concrete_function().graph
@@ -312,10 +312,11 @@ def test_every_factor_is_formed_after_the_whole_backward_pass():
                   if op.type == "Conv2DBackpropInput"
                   and op.outputs[0].shape.as_list()[1:] == [8, 8, 8]]
     assert len(into_conv1) == 1, into_conv1
-    outputs = run.get_concrete_function().structured_outputs
-    assert len(outputs) >= len(model.trainable_variables)
-    for t in outputs:
+    conv2_kernel, dense_kernel, conv2_bias = run.get_concrete_function().structured_outputs
+    for t in conv2_kernel + dense_kernel:
         assert into_conv1[0] in _ancestors(t.op), t.name
+    # A small weight's (conv2's bias: 16 < 576) is formed as soon as its gradient exists.
+    assert conv2_bias and not any(into_conv1[0] in _ancestors(t.op) for t in conv2_bias)
 
 
 if __name__ == "__main__":

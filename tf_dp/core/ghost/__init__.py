@@ -47,22 +47,33 @@ def backward(ctx: GhostContext, tape: tf.GradientTape, total_loss,
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
     dz_map = {id(z): None if dz is None else tf.convert_to_tensor(dz)
               for z, dz in zip(zs, grads[:len(zs)])}
-    # Factors are formed once the whole backward pass has run (every output gradient
-    # exists): a layer's per-example products, patches or norms formed as soon as its own
-    # output gradient exists would be held through the rest of the backward pass, next to
-    # its activations and gradients (docs/scaling.md 3 (b)). Same values.
     backward_done = [dz for dz in dz_map.values() if dz is not None]
 
-    def dz_of(t):
-        with tf.control_dependencies(backward_done):
-            dz = tf.identity(dz_map[id(t.z)])
-        return tf.cast(dz, accumulation_dtype(dz.dtype))
+    def dz_for(variable):
+        """``dz_of(term)`` for ``variable``'s terms. A weight larger than its term's output
+        gradient (per example) gets that gradient only once the whole backward pass has run
+        (every output gradient exists): a per-example gradient formed from it as soon as it
+        exists would be held, larger than what it replaces, through the rest of the backward
+        pass (the CNN's conv2: [B, 256, 32] next to conv1's activations; docs/scaling.md §7).
+        A smaller weight's per-example gradient (biases, normalisation scales, a first
+        convolution) is formed early and frees its output gradient. Same values either way.
+        """
+        size = variable.shape.num_elements()
+
+        def dz_of(t):
+            dz = dz_map[id(t.z)]
+            per_example = t.z.shape[1:].num_elements()
+            if size is None or per_example is None or size > per_example:
+                with tf.control_dependencies(backward_done):
+                    dz = tf.identity(dz)
+            return tf.cast(dz, accumulation_dtype(dz.dtype))
+        return dz_of
 
     out = {}
     for (key, (var, terms)), outside in zip(entries.items(), grads[len(zs):]):
         if outside is not None or any(dz_map[id(t.z)] is None for t in terms):
             continue
-        factors = factors_for(var, terms, dz_of, options)
+        factors = factors_for(var, terms, dz_for(var), options)
         if factors is not None:
             out[key] = factors
     return out
