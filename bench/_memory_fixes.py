@@ -1,8 +1,10 @@
 """Prototypes of memory fixes for the private step, applied by monkeypatching (bench only).
 
-These exist to MEASURE what a change to tf_dp/core would save (bench/max_batch.py
---fixes=...), not to be used for training: the library itself is unchanged. Each is a
-candidate for the library (docs/scaling.md, "Where the memory goes"):
+These existed to MEASURE what a change to tf_dp/core would save (bench/max_batch.py
+--fixes=...), not to be used for training. All three are now superseded by the library's
+own versions (docs/scaling.md section 7): applied to the current library they replace its
+(chunked, bounded, selective) code with these prototypes. They are kept only to reproduce
+sections 2 and 5 of docs/scaling.md on the snapshots named there (e.g. 4d9788f):
 
 * ``gram_chunks``: ``tf_dp.core.ghost.precision.gram_norms`` casts the whole factors a (B, T, d)
   and g (B, T, p) to float64 and squares the float64 copy for l1: three B*T*d*8-byte tensors
