@@ -87,6 +87,40 @@ def clipped_sum_reference(model, loss_fn, x, y, l2_norm_clip, sample_weight=None
     return norms, sums
 
 
+class Precision:
+    """``with Precision("float64"):`` builds Keras layers in that dtype (floatx and the global
+    dtype policy: an explicit policy left by an earlier test would override floatx alone)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        import keras  # noqa: PLC0415 (only this helper and jl_step_directions need it)
+
+        self._saved = keras.config.floatx(), keras.config.dtype_policy()
+        keras.config.set_floatx(self.dtype)
+        keras.config.set_dtype_policy(self.dtype)
+
+    def __exit__(self, *exc):
+        import keras  # noqa: PLC0415
+
+        keras.config.set_floatx(self._saved[0])
+        keras.config.set_dtype_policy(self._saved[1])
+
+
+def ancestor_ops(op):
+    """Every graph op ``op`` waits for (data and control inputs, transitively): what a test
+    of an execution order (a control dependency) checks."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def jl_step_directions(model, x, num_projections, seed):
     """The JL directions a private step of ``model`` on ids/inputs ``x`` uses: list over j of
     lists over ``model.trainable_variables`` of tensors in the variables' shapes.
@@ -126,4 +160,5 @@ def cpu_runs_nchw_conv():
 
 
 __all__ = ["clip_weights", "clipped_sum_reference", "cpu_runs_nchw_conv",
-           "jl_step_directions", "per_example_gradients", "per_example_norms"]
+           "Precision", "ancestor_ops", "jl_step_directions", "per_example_gradients",
+           "per_example_norms"]

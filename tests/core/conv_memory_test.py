@@ -236,14 +236,7 @@ def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(mo
 
 
 def _ancestors(op):
-    seen, todo = set(), [op]
-    while todo:
-        o = todo.pop()
-        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-            if parent.name not in seen:
-                seen.add(parent.name)
-                todo.append(parent)
-    return seen
+    return {o.name for o in ref.ancestor_ops(op)}
 
 
 def test_patches_of_an_outer_term_wait_for_their_output_gradient():

@@ -391,20 +391,7 @@ _LAYER_CLASSES = {**_keras_layer_classes(), "ReparamDense": R.ReparamDense,
                   "ReparamConv2D": R.ReparamConv2D, "ReparamEinsumDense": R.ReparamEinsumDense}
 
 
-class _Precision:
-    """Builds layers in ``dtype`` (float inputs, weights and computations)."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self._saved = keras.config.floatx(), keras.config.dtype_policy()
-        keras.config.set_floatx(self.dtype)
-        keras.config.set_dtype_policy(self.dtype)
-
-    def __exit__(self, *exc):
-        keras.config.set_floatx(self._saved[0])
-        keras.config.set_dtype_policy(self._saved[1])
+_Precision = ref.Precision
 
 
 def _make(case, dtype):

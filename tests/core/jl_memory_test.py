@@ -330,15 +330,7 @@ _DRAW_OPS = {"StatelessRandomNormalV2", "StatelessRandomUniformFullIntV2", "Whil
              "StatelessWhile"}
 
 
-def _ancestors(op):
-    seen, stack = set(), [op]
-    while stack:
-        o = stack.pop()
-        for parent in [t.op for t in o.inputs] + list(o.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+_ancestors = _reference.ancestor_ops
 
 
 def test_each_weights_directions_are_drawn_after_its_factors():

@@ -23,7 +23,7 @@ import scipy.stats
 import tensorflow as tf
 
 import tf_dp
-
+from tests import _reference as ref
 from tf_dp.core import build_per_example_loss, clipped_sum, gaussian_noise
 from tf_dp.core.randomness import seeded_draw  # noqa: E402
 from tf_dp.data import PoissonSampler
@@ -331,18 +331,6 @@ def test_fit_with_accumulation_adds_noise_once_per_logical_step(use_sampler):
         np.testing.assert_allclose(update, want, rtol=1e-5, atol=1e-7)
 
 
-def _ancestor_ops(op):
-    """Every op ``op`` waits for: data inputs and control inputs, transitively."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
-
-
 def test_noise_is_drawn_after_the_clipped_sums_it_is_added_to():
     """Memory, not privacy: the noise depends on no data, so unless it waits for the clipped
     sums a graph executor may draw every variable's noise before the backward pass and hold
@@ -361,7 +349,7 @@ def test_noise_is_drawn_after_the_clipped_sums_it_is_added_to():
     batch = {t.op for t in graph.inputs[:2]}
     assert all(op.type == "Placeholder" for op in batch)
     for op in draws:
-        assert batch & _ancestor_ops(op), f"{op.name} may run before the step reads its batch"
+        assert batch & ref.ancestor_ops(op), f"{op.name} may run before the step reads its batch"
 
 
 def test_gaussian_noise_after_changes_when_not_what_is_drawn():

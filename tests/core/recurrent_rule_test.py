@@ -68,18 +68,7 @@ CASES = [
 ]
 
 
-class _Precision:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self._saved = keras.config.floatx(), keras.config.dtype_policy()
-        keras.config.set_floatx(self.dtype)
-        keras.config.set_dtype_policy(self.dtype)
-
-    def __exit__(self, *exc):
-        keras.config.set_floatx(self._saved[0])
-        keras.config.set_dtype_policy(self._saved[1])
+_Precision = ref.Precision
 
 
 def _make(build, float_input, dtype, batch=4, scale=1.0):

@@ -25,23 +25,6 @@ L = keras.layers
 _LOSS = build_per_example_loss("mse")
 
 
-class _Floatx:
-    """Models built in ``dtype`` (floatx and the global dtype policy: an earlier test may have
-    set an explicit policy, which floatx alone would not override)."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self._saved = keras.config.floatx(), keras.config.dtype_policy()
-        keras.config.set_floatx(self.dtype)
-        keras.config.set_dtype_policy(self.dtype)
-
-    def __exit__(self, *exc):
-        keras.config.set_floatx(self._saved[0])
-        keras.config.set_dtype_policy(self._saved[1])
-
-
 def _set_weights(model, seed):
     rng = np.random.default_rng(seed)
     model.set_weights([rng.normal(0.0, 0.7, size=w.shape).astype(w.dtype)
@@ -50,7 +33,7 @@ def _set_weights(model, seed):
 
 
 def _text_model(dtype, mask_zero=False, rows=11, width=4, steps=6):
-    with _Floatx(dtype):
+    with ref.Precision(dtype):
         model = keras.Sequential([keras.Input((steps,), dtype="int32"),
                                   L.Embedding(rows, width, mask_zero=mask_zero),
                                   L.Dense(5, activation="tanh"),
@@ -60,7 +43,7 @@ def _text_model(dtype, mask_zero=False, rows=11, width=4, steps=6):
 
 
 def _two_tables(dtype):
-    with _Floatx(dtype):
+    with ref.Precision(dtype):
         tokens = keras.Input((6,), dtype="int32")
         pos = keras.Input((6,), dtype="int32")
         h = L.Add()([L.Embedding(9, 4)(tokens), L.Embedding(6, 4)(pos)])
@@ -148,7 +131,7 @@ def test_loop_fallback_gives_the_same_rows():
 def test_a_table_also_read_densely_stays_dense_and_exact():
     # Tied weights: the table is gathered and multiplied (ReversibleEmbedding's reverse
     # projection); its gradient is no longer row slices alone.
-    with _Floatx("float64"):
+    with ref.Precision("float64"):
         table = L.ReversibleEmbedding(7, 4)
         ids = keras.Input((5,), dtype="int32")
         out = L.GlobalAveragePooling1D()(table(table(ids), reverse=True))
