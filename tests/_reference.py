@@ -148,6 +148,18 @@ def jl_step_directions(model, x, num_projections, seed):
     return dirs
 
 
+def assert_clipped_sum_matches(res, norms, sums, variables, dtype):
+    """``res`` (a ``ClippedSum``) has the reference ``norms`` and clipped ``sums``: rtol 1e-9
+    for float64 models, 2e-5 for float32; entries compared at the scale of the whole gradient
+    (some are zero up to rounding, e.g. a key bias under softmax)."""
+    rtol = 1e-9 if dtype == "float64" else 2e-5
+    np.testing.assert_allclose(res.norms.numpy(), norms, rtol=rtol)
+    scale = max(float(np.max(np.abs(s))) for s in sums)
+    for got, want, v in zip(res.grads, sums, variables):
+        np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=rtol * scale,
+                                   err_msg=v.path)
+
+
 def cpu_runs_nchw_conv():
     """Whether this TensorFlow build runs a channels_first Conv2D on the CPU (oneDNN builds
     on some CPUs do, others raise UnimplementedError): the NCHW cases need it."""
@@ -160,5 +172,5 @@ def cpu_runs_nchw_conv():
 
 
 __all__ = ["clip_weights", "clipped_sum_reference", "cpu_runs_nchw_conv",
-           "Precision", "ancestor_ops", "jl_step_directions", "per_example_gradients",
+           "Precision", "ancestor_ops", "assert_clipped_sum_matches", "jl_step_directions", "per_example_gradients",
            "per_example_norms"]

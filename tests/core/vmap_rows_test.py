@@ -68,12 +68,7 @@ def _check(model, x, y, strategy, dtype, sample_weight=None):
     w = ref.clip_weights(norms, clip)
     sums = [np.tensordot(w, g, axes=1) for g in per]
     res = clipped_sum(model, x, y, sample_weight, _LOSS, clip, norm_strategy=strategy)
-    rtol = 1e-9 if dtype == "float64" else 2e-5
-    np.testing.assert_allclose(res.norms.numpy(), norms, rtol=rtol)
-    scale = max(float(np.max(np.abs(s))) for s in sums)
-    for got, want, v in zip(res.grads, sums, variables):
-        np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=rtol * scale,
-                                   err_msg=v.path)
+    ref.assert_clipped_sum_matches(res, norms, sums, variables, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
