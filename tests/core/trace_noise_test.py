@@ -1,0 +1,92 @@
+"""The private step's noise is built with few graph ops (issue 14: the step's first call traces
+and optimises every op), and its values are unchanged.
+
+``gaussian_noise`` draws variable i's noise as
+``tf.random.stateless_normal(shape, seed=stateless_fold_in(seed, i)) * stddev``. Built from
+those public functions it took 15 graph ops per variable (a full-range int draw inside each
+fold-in, mean and stddev ops of the normal); the values must stay exactly those (tests of
+other modules regenerate the noise from the seed), with one fold-in draw for all variables.
+"""
+
+import collections
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import _reference as ref
+from tf_dp.core import gaussian_noise
+
+
+def _reference(shapes_dtypes, stddev, seed):
+    return [tf.cast(tf.random.stateless_normal(
+        shape, seed=tf.random.experimental.stateless_fold_in(seed, i), stddev=1.0,
+        dtype=tf.float32) * stddev, dtype) for i, (shape, dtype) in enumerate(shapes_dtypes)]
+
+
+@pytest.mark.parametrize("seed", [tf.constant([12345, -678], tf.int32),
+                                  tf.constant([2**40 + 3, -(2**35)], tf.int64)])
+def test_values_are_the_fold_in_normals_times_stddev(seed):
+    shapes = [((3, 4), tf.float32), ((5,), tf.float64), ((2, 2, 2), tf.float16),
+              ((1,), tf.float32), ((0, 3), tf.float32)]
+    stddev = tf.constant(0.7, tf.float32)
+    got = gaussian_noise(shapes, stddev, seed)
+    want = _reference(shapes, stddev, seed)
+    for (shape, dtype), g, w in zip(shapes, got, want):
+        assert g.shape == shape and g.dtype == dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_values_in_a_traced_function_with_after():
+    shapes = [((4, 3), tf.float32)] * 3
+
+    @tf.function
+    def both(seed, stddev, sums):
+        return gaussian_noise(shapes, stddev, seed, after=sums), _reference(shapes, stddev, seed)
+
+    got, want = both(tf.constant([7, 9]), tf.constant(2.5), [tf.ones((4, 3))] * 3)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def _graph(num_variables):
+    shapes = [((3, 4), tf.float32)] * num_variables
+
+    @tf.autograph.experimental.do_not_convert
+    def draw(seed, stddev, sums):
+        return gaussian_noise(shapes, stddev, seed, after=sums)
+
+    return tf.function(draw).get_concrete_function(
+        tf.TensorSpec([2], tf.int32), tf.TensorSpec([], tf.float32),
+        [tf.TensorSpec([3, 4], tf.float32)] * num_variables).graph
+
+
+def test_graph_ops_per_variable():
+    v = 8
+    graph = _graph(v)
+    ops = collections.Counter(op.type for op in graph.get_operations())
+    # The fold-in's int draw is the same for every variable: drawn once (it was drawn V times).
+    assert ops["StatelessRandomUniformFullIntV2"] == 1, ops
+    assert ops["StatelessRandomNormalV2"] == v, ops
+    # Per variable: the index (Const), the folded seed (Pack), its key and counter, the shape
+    # (Const), the normal draw and the product by stddev = 6 ops; once: the int draw with its
+    # seed's key, counter, shape and algorithm (4) and the normal's algorithm (1). The
+    # function's inputs (Placeholder) and outputs (Identity) are not the noise's.
+    noise = sum(n for t, n in ops.items() if t not in ("Placeholder", "Identity"))
+    assert noise <= 6 * v + 5, (noise, ops)  # 15 per variable before
+
+
+def test_each_draw_waits_for_its_clipped_sum():
+    graph = _graph(3)
+    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomNormalV2"]
+    sums = [op for op in graph.get_operations() if op.type == "Placeholder"][2:]
+    assert len(draws) == 3 and len(sums) == 3
+    for draw, own in zip(draws, sums):
+        ancestors = ref.ancestor_ops(draw)
+        assert own in ancestors
+        assert not (set(sums) - {own}) & ancestors
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
