@@ -38,12 +38,20 @@ def backward(ctx: GhostContext, tape: tf.GradientTape, total_loss,
 
     Returns {id(variable): Factors} for the covered weights.
     """
+    checks = ctx.finish()  # the batch-axis checks (made at the end of `capture`)
     entries = ctx.terms()
     if not entries:
         return {}
     zs = ctx.outputs()
     handles = [_handle(v) for v, _ in entries.values()]
-    grads = tape.gradient(total_loss, zs + handles,
+    seed = None
+    if checks:
+        # Every output gradient, hence every factor, norm and clipped sum, waits for the
+        # batch-axis checks: a layer that mixed examples stops the step with the checks'
+        # message before any number is formed from it (not after, by a race).
+        with tf.control_dependencies(checks):
+            seed = tf.ones_like(total_loss)
+    grads = tape.gradient(total_loss, zs + handles, output_gradients=seed,
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
     dz_map = {id(z): None if dz is None else tf.convert_to_tensor(dz)
               for z, dz in zip(zs, grads[:len(zs)])}

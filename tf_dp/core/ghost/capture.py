@@ -32,6 +32,9 @@ class GhostContext:
         self._tape = tape
         self._entries: list = []  # (variable, term) in recording order
         self._read: list = []  # variables read through `read`, per active rule call
+        self._leading: list = []  # (layer name, leading axis) still to be checked (finish)
+        self._checks: list = []  # the assertions made by `finish` (graph mode)
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
     # -- for rules ------------------------------------------------------------------------
 
@@ -46,15 +49,46 @@ class GhostContext:
         return x
 
     def check_batch(self, layer, x):
-        """Asserts that ``x``'s leading axis is the batch (per-example structure intact)."""
+        """Asserts that ``x``'s leading axis is the batch (per-example structure intact).
+
+        When either is known only in the graph, the leading axis is read here and the check
+        is made at the end of the capture, one assertion for every layer of the forward pass
+        (``finish``): an assertion per layer was ~20 graph ops each."""
         static = x.shape[0] if x.shape.rank else None
         if isinstance(self.batch_size, int) and static is not None:
             if static != self.batch_size:
                 raise ValueError(_batch_msg(layer, static, self.batch_size))
             return
-        tf.debugging.assert_equal(
-            tf.shape(x)[0], tf.cast(self.batch_size, tf.int32),
-            message=_batch_msg(layer, "?", "the batch size"))
+        leading = tf.shape(x)[0]
+        if tf.executing_eagerly() or leading.graph is not self._graph:
+            # Eager, or inside a control-flow body of a layer: checked where it is.
+            tf.debugging.assert_equal(leading, tf.cast(self.batch_size, tf.int32),
+                                      message=_batch_msg(layer, "?", "the batch size"))
+            return
+        self._leading.append((layer.name, leading))
+
+    def finish(self):
+        """The checks ``check_batch`` left for the end of the capture: one assertion that
+        every recorded layer's input has the batch as its leading axis.
+
+        Returns the assertions made so far (graph mode; empty when eager, where a failed
+        check raises at once). ``backward`` runs the backward pass after them, so nothing
+        formed from an output gradient (no factor, norm or sum) can run first: a failed check
+        stops the step with this message, whatever order the graph's ops run in."""
+        if not self._leading:
+            return list(self._checks)
+        names = [name for name, _ in self._leading]
+        leading = tf.stack([t for _, t in self._leading])
+        self._leading = []
+        check = tf.debugging.assert_equal(
+            leading, tf.cast(self.batch_size, tf.int32), summarize=len(names),
+            message=(f"Layers {names} were called on tensors whose leading axes (x, in this "
+                     "order) are not all the batch size (y); per-example norms by layer "
+                     "formulas need the batch axis first. Compile the DP optimizer with "
+                     "norm_strategy='vectorized' for this model."))
+        if check is not None:
+            self._checks.append(check)
+        return list(self._checks)
 
     def read(self, variable, dtype=None):
         """The value of a weight for use inside a rule (in ``dtype``, default its own)."""
@@ -67,6 +101,12 @@ class GhostContext:
             # gradient through the rule.
             self._tape.watch(value)
         return tf.cast(value, dtype) if dtype is not None and value.dtype != dtype else value
+
+    def watch(self, tensor):
+        """Puts a tensor a rule made on the tape (its gradient is then available as a term's
+        ``z``, e.g. the recurrent rule's probe of its input projections)."""
+        if self._tape is not None:
+            self._tape.watch(tensor)
 
     def outer(self, variable, z, a_fn, dz_fn=None):
         """Records ``grad_i = sum_t a_it (outer) g_it`` with ``a = a_fn()`` (B, T, d) and
@@ -106,7 +146,7 @@ class GhostContext:
     def _run(self, layer, rule, bound, args, kwargs):
         """Runs ``rule`` for one call of ``layer``; its own call if the rule declines or
         fails (its terms are then discarded)."""
-        mark = len(self._entries)
+        mark, checks = len(self._entries), len(self._leading)
         self._read.append([])
         try:
             out = rule(layer, self, *args, **kwargs)
@@ -119,6 +159,7 @@ class GhostContext:
             read = self._read.pop()
         if out is NotImplemented:
             del self._entries[mark:]
+            del self._leading[checks:]  # the layer's own call needs no per-example structure
             return bound(*args, **kwargs)
         recorded = {id(v) for v, _ in self._entries[mark:]}
         for v in read:
@@ -188,6 +229,7 @@ def capture(layers, batch_size, tape=None):
             layer.call = call
             patched.append((layer, original))
         yield ctx
+        ctx.finish()
     finally:
         for layer, original in patched:
             if original is None:
