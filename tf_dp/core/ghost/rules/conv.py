@@ -280,23 +280,29 @@ def _chunked_kernel_gradient(layer, x, padding, dz_fn):
 def _in_chunks(fn, x, g, chunk, width, filters):
     """``fn(x, g)`` (B, width, filters) over chunks of at most ``chunk`` examples, one after
     the other: n = ceil(B / chunk) chunks of c = ceil(B / n) examples, the last one shorter
-    (its result padded to c rows, fewer than n of them; the inputs are sliced, not copied
-    whole)."""
+    (the inputs are sliced, not copied whole). Works for an unknown batch and for B = 0.
+
+    A plain ``tf.while_loop`` writing each chunk into a TensorArray, concatenated at the
+    end: ``tf.map_fn`` over chunk indices (a TensorArray of the indices, results padded to
+    c rows, reshaped and sliced) took a third more graph ops and time to trace and optimise
+    (issue 14: the step's first call).
+    """
     batch = x.shape[0]
     if isinstance(batch, int) and batch <= chunk:
         return fn(x, g)
     b = tf.shape(x)[0]
-    n = tf.maximum((b + chunk - 1) // chunk, 1)
-    c = tf.maximum((b + n - 1) // n, 1)
+    n = (b + chunk - 1) // chunk
+    c = (b + tf.maximum(n, 1) - 1) // tf.maximum(n, 1)
+    parts = tf.TensorArray(g.dtype, size=n, infer_shape=False,
+                           element_shape=tf.TensorShape([None, width, filters]))
 
-    def one(i):
-        out = fn(x[i * c:(i + 1) * c], g[i * c:(i + 1) * c])
-        return tf.pad(out, [[0, c - tf.shape(out)[0]], [0, 0], [0, 0]])
+    def body(i, parts):
+        start = i * c
+        return i + 1, parts.write(i, fn(x[start:start + c], g[start:start + c]))
 
-    out = tf.map_fn(one, tf.range(n),
-                    fn_output_signature=tf.TensorSpec([None, width, filters], g.dtype),
-                    parallel_iterations=1)
-    return tf.reshape(out, [-1, width, filters])[:b]
+    _, parts = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), parts),
+                             parallel_iterations=1)
+    return parts.concat()
 
 
 # ------------------------------------------------------------- depthwise and separable
