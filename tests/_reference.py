@@ -148,6 +148,26 @@ def jl_step_directions(model, x, num_projections, seed):
     return dirs
 
 
+def traced_factors(model, strategy, x, y, seed):
+    """Traces ``strategy``'s factors and norms of one step on (x, y) with an MSE loss (no
+    execution): (the traced graph, the list of factors made while tracing)."""
+    from tf_dp.core import build_per_example_loss
+    from tf_dp.core.norm_strategies import _Batch
+
+    loss_fn = build_per_example_loss("mse")
+    captured = []
+
+    @tf.function(autograph=False)
+    def step(a, b, s):
+        batch = _Batch(model, a, b, None, loss_fn, model.trainable_variables, "error")
+        fac, bounds, *_ = strategy._factors_and_norms(batch, s)
+        captured[:] = fac
+        return bounds
+
+    graph = step.get_concrete_function(tf.constant(x), tf.constant(y), seed).graph
+    return graph, captured
+
+
 def assert_clipped_sum_matches(res, norms, sums, variables, dtype):
     """``res`` (a ``ClippedSum``) has the reference ``norms`` and clipped ``sums``: rtol 1e-9
     for float64 models, 2e-5 for float32; entries compared at the scale of the whole gradient

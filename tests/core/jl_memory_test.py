@@ -29,7 +29,6 @@ from tests import _reference
 from tf_dp.core import build_per_example_loss, clipped_sum, jl
 from tf_dp.core.ghost.factors import (EmbeddingFactors, FactorOptions, OuterFactors,
                                       _materialise_for_projection)
-from tf_dp.core.norm_strategies import _Batch
 
 L = keras.layers
 _ALPHA = 1e-4  # family-wise false-alarm level of each statistical test
@@ -335,19 +334,8 @@ _ancestors = _reference.ancestor_ops
 
 def test_each_weights_directions_are_drawn_after_its_factors():
     model = _model("plain")
-    x, y = _ids("plain"), np.zeros((5, 2))
-    loss_fn = build_per_example_loss("mse")
-    strategy = tf_dp.JL(3)
-    captured = []
-
-    @tf.function(autograph=False)
-    def step(a, b, s):
-        batch = _Batch(model, a, b, None, loss_fn, model.trainable_variables, "error")
-        fac, bounds, *_ = strategy._factors_and_norms(batch, s)
-        captured[:] = fac
-        return bounds
-
-    graph = step.get_concrete_function(tf.constant(x), tf.constant(y), _seed(1, 2)).graph
+    graph, captured = _reference.traced_factors(model, tf_dp.JL(3), _ids("plain"),
+                                                np.zeros((5, 2)), _seed(1, 2))
     ops = graph.get_operations()
     draws = [op for op in ops if op.type in _DRAW_OPS
              and any(o.type == "StatelessRandomNormalV2" for o in _body_ops(op))]

@@ -32,27 +32,83 @@ _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 _ROWS_STREAM = 0x524F  # "RO"
 
 
-def _variable_seeds(num_projections: int, seed, index: int):
-    """The r seeds of variable number ``index``: ``fold_in(fold_in(base, j), index)``."""
-    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), _DIRECTION_STREAM)
-    return [tf.random.experimental.stateless_fold_in(
-        tf.random.experimental.stateless_fold_in(base, j), index)
-        for j in range(num_projections)]
+#: tf.random.Algorithm.AUTO_SELECT, what tf.random's stateless ops use by default.
+_AUTO_SELECT = 3
 
 
-def draw(variable, index: int, num_projections: int, seed, projection=None):
+def _fold_in(seed, data, scalar, alg):
+    """``tf.random.experimental.stateless_fold_in(seed, data)`` for an int32 ``data``:
+    ``[one full-range int32 draw from seed, data]``, from raw ops whose constant arguments
+    (``scalar``: the shape [], ``alg``) are made once per draw, not once per fold."""
+    return tf.stack([_full_int(seed, scalar, alg), data])
+
+
+def _normal(shape, seed, dtype, alg):
+    """``tf.random.stateless_normal(shape, seed, dtype=dtype)`` without its ``* 1 + 0``."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return tf.raw_ops.StatelessRandomNormalV2(shape=shape, key=key, counter=counter, alg=alg,
+                                              dtype=dtype)
+
+
+def step_seeds(num_projections: int, seed, num_variables: int):
+    """The seeds of every direction of a step: ``seeds[k][j]``, (2,) int32, of variable k's
+    direction j, ``fold_in(fold_in(fold_in(seed, _DIRECTION_STREAM), j), k)`` (the numbers
+    ``tf.random.experimental.stateless_fold_in`` gives).
+
+    In a few graph ops for all of them (the seeds were most of a JL step's trace):
+    ``fold_in(s, data)`` is ``[u, data]`` with ``u`` one draw from ``s`` whatever ``data``,
+    so the r * V seeds need r + 2 draws.
+    """
+    scalar = tf.constant([], tf.int32)
+    alg = tf.constant(_AUTO_SELECT, tf.int32)
+    base = _fold_in(tf.cast(seed, tf.int64), tf.constant(_DIRECTION_STREAM, tf.int32), scalar,
+                    alg)
+    r, v = num_projections, num_variables
+    u = _full_int(base, scalar, alg)  # fold_in(base, j) = [u, j]
+    firsts = tf.unstack(tf.stack([tf.fill([r], u), tf.range(r, dtype=tf.int32)], axis=1), r)
+    u_j = tf.stack([_full_int(s, scalar, alg) for s in firsts])  # fold_in(., k) = [u_j, k]
+    grid = tf.stack([tf.tile(u_j[:, None], [1, v]),
+                     tf.tile(tf.range(v, dtype=tf.int32)[None], [r, 1])], axis=-1)
+    by_j = [tf.unstack(row, v) for row in tf.unstack(grid, r)]
+    return [[by_j[j][k] for j in range(r)] for k in range(v)]
+
+
+def _full_int(seed, scalar, alg):
+    """One full-range int32 draw from ``seed`` (what ``stateless_fold_in`` folds in)."""
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return tf.raw_ops.StatelessRandomUniformFullIntV2(shape=scalar, key=key, counter=counter,
+                                                      alg=alg, dtype=tf.int32)
+
+
+def _variable_seeds(num_projections: int, seed, index: int, seeds=None):
+    """Variable ``index``'s r direction seeds (``seeds`` if given, from :func:`step_seeds`)."""
+    if seeds is None:
+        seeds = step_seeds(num_projections, seed, index + 1)[index]
+    if len(seeds) != num_projections:
+        raise ValueError(f"{len(seeds)} seeds for {num_projections} directions.")
+    return seeds
+
+
+def draw(variable, index: int, num_projections: int, seed, projection=None, seeds=None):
     """The r directions of variable number ``index`` (of the list given to
     :func:`directions`): (r, *variable.shape); only direction ``projection`` (in the
-    variable's shape) if that is given."""
-    seeds = _variable_seeds(num_projections, seed, index)
+    variable's shape) if that is given. ``seeds``: this variable's row of
+    :func:`step_seeds` (then ``seed`` is not read), to draw a step's directions with fewer
+    graph ops.
+
+    Direction j is ``tf.random.stateless_normal(variable.shape, seed=fold_in(fold_in(
+    fold_in(seed, _DIRECTION_STREAM), j), index))``: i.i.d. N(0, 1) from the step's secret
+    seed (the same values, in two raw ops each)."""
+    seeds = _variable_seeds(num_projections, seed, index, seeds)
     if projection is not None:
         seeds = seeds[projection:projection + 1]
-    out = tf.stack([tf.random.stateless_normal(variable.shape, seed=s, dtype=variable.dtype)
-                    for s in seeds])
-    return out if projection is None else out[0]
+    alg = tf.constant(_AUTO_SELECT, tf.int32)
+    shape = tf.constant([int(d) for d in variable.shape], tf.int32)
+    out = [_normal(shape, s, variable.dtype, alg) for s in seeds]
+    return out[0] if projection is not None else tf.stack(out)
 
 
-def draw_rows(variable, index: int, num_projections: int, seed, num_rows):
+def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=None):
     """Directions of a table read by row lookups (an embedding), on the rows a batch looks up
     only: (r, num_rows, width), row m for the batch's m-th distinct id.
 
@@ -65,12 +121,18 @@ def draw_rows(variable, index: int, num_projections: int, seed, num_rows):
     of the data, the law of a whole direction's restriction to those rows: the projections
     have exactly the law they have with a whole direction, which is what the JL accounting
     assumes. Within a step each example that looks a row up sees the same vector.
+
+    Direction j's rows: ``stateless_normal([num_rows, width], seed=fold_in(s_j,
+    _ROWS_STREAM))`` with ``s_j`` the seed of :func:`draw`'s direction j (``seeds``: as
+    for :func:`draw`).
     """
-    seeds = _variable_seeds(num_projections, seed, index)
+    seeds = _variable_seeds(num_projections, seed, index, seeds)
+    scalar = tf.constant([], tf.int32)
+    alg = tf.constant(_AUTO_SELECT, tf.int32)
     shape = tf.stack([tf.cast(num_rows, tf.int32), variable.shape[1]])
-    return tf.stack([tf.random.stateless_normal(
-        shape, seed=tf.random.experimental.stateless_fold_in(s, _ROWS_STREAM),
-        dtype=variable.dtype) for s in seeds])
+    rows = tf.constant(_ROWS_STREAM, tf.int32)
+    return tf.stack([_normal(shape, _fold_in(s, rows, scalar, alg), variable.dtype, alg)
+                     for s in seeds])
 
 
 def directions(variables, num_projections: int, seed):
@@ -82,7 +144,9 @@ def directions(variables, num_projections: int, seed):
     same numbers, and an embedding table with ghost factors on its looked-up rows only
     (:func:`draw_rows`).
     """
-    per_variable = [draw(v, i, num_projections, seed) for i, v in enumerate(variables)]
+    seeds = step_seeds(num_projections, seed, len(variables))
+    per_variable = [draw(v, i, num_projections, seed, seeds=seeds[i])
+                    for i, v in enumerate(variables)]
     return [[d[j] for d in per_variable] for j in range(num_projections)]
 
 

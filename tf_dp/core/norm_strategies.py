@@ -229,10 +229,12 @@ class JL(NormStrategy):
         # not r full copies of every weight from the start of the step. Same numbers as
         # jl.directions(variables, r, seed), except for tables with embedding factors,
         # drawn on the looked-up rows only (jl.draw_rows).
+        with tf.name_scope("jl_seeds"):  # (2,) each: drawn from the seed alone, in few ops
+            seeds = jl.step_seeds(r, seed, len(variables))
         parts, previous = {}, []
         for k in reversed(range(len(variables))):
             if id(variables[k]) in by_id:
-                parts[k] = self._project(by_id[id(variables[k])], variables[k], k, seed,
+                parts[k] = self._project(by_id[id(variables[k])], variables[k], k, seeds[k],
                                          previous)
                 previous = [parts[k]]
         projections = tf.zeros([r, tf.shape(losses)[0]], tf.float64)
@@ -245,7 +247,8 @@ class JL(NormStrategy):
             def draw_j(j):  # after the last projection (forward_projections: of pass j - 1)
                 with tf.name_scope("jl_directions"), \
                         tf.control_dependencies(previous if j == 0 else []):
-                    return [jl.draw(variables[k], k, r, seed, projection=j) for k in rest]
+                    return [jl.draw(variables[k], k, r, seed, projection=j, seeds=seeds[k])
+                            for k in rest]
 
             projections += group.project((r, draw_j))
             by_id.update(group.factors())
@@ -253,10 +256,10 @@ class JL(NormStrategy):
         factors = [by_id[id(v)] for v in variables]
         return factors, norms, norms, losses, y_pred
 
-    def _project(self, factors, variable, index, seed, after):
-        """(r, B) projections of one weight's factors on its directions, drawn (in a name
-        scope ``jl_directions_<index>``) under a control dependency on the factors and on
-        ``after``."""
+    def _project(self, factors, variable, index, seeds, after):
+        """(r, B) projections of one weight's factors on its directions (``seeds``: its row
+        of ``jl.step_seeds``), drawn (in a name scope ``jl_directions_<index>``) under a
+        control dependency on the factors and on ``after``."""
         r = self._r
         embedding = isinstance(factors, EmbeddingFactors)
         if embedding:
@@ -264,9 +267,9 @@ class JL(NormStrategy):
         with tf.name_scope(f"jl_directions_{index}"), \
                 tf.control_dependencies(factors.dependencies() + list(after)):
             if embedding:  # only the rows the batch looks up
-                dirs = jl.draw_rows(variable, index, r, seed, tf.size(rows))
+                dirs = jl.draw_rows(variable, index, r, None, tf.size(rows), seeds=seeds)
             else:
-                dirs = jl.draw(variable, index, r, seed)
+                dirs = jl.draw(variable, index, r, None, seeds=seeds)
         if embedding:
             return factors.project_rows(dirs, pos)
         return factors.project(dirs)

@@ -313,14 +313,73 @@ def factors_for(variable, terms, dz_of, options: FactorOptions):
     if kinds == {EmbeddingTerm}:
         ids, g = _concat_factors(terms, dz_of)
         return EmbeddingFactors(variable, ids, g, options)
-    per = None
+    per, dzs = None, []
+    first = _next_op_id()
     for t in terms:
-        p = t.per_example(dz_of(t))
+        dz = dz_of(t)
+        dzs.append(dz)
+        p = t.per_example(dz)
         if p is None:
             return None
         p = precision.flat_per_example(p)
         per = p if per is None else per + p
+    _formed_before_the_backward_goes_on(per, dzs, first)
     return MaterialisedFactors(variable, per, options)
+
+
+def _next_op_id():
+    """The id the next op of the current graph will get (None when executing eagerly)."""
+    if tf.executing_eagerly():
+        return None
+    # Ops get increasing ids in creation order.
+    return max(tf.compat.v1.get_default_graph()._nodes_by_id.keys(), default=0) + 1  # noqa: SLF001
+
+
+def _formed_before_the_backward_goes_on(per, dzs, first):
+    """Makes the ops that read the output gradients ``dzs`` before ``per`` was formed from
+    them (the backward pass's, made by the tape) wait for ``per``; ``first``: the id of
+    ``per``'s first op.
+
+    A per-example gradient smaller than what it is made of (a LayerNormalization scale's
+    (B, d) from its (B, T, d) output gradient and normalised input) frees them once it
+    exists. It is ready as soon as its output gradient is, but the executor may leave it
+    until the end of the backward pass (with one inter-op thread, ready ops beyond the one
+    it goes on with are queued last in, first out): the 11.4M Transformer's JL step held two
+    (B, T, 256) tensors per normalisation through the backward pass (+50 MiB at batch 64,
+    docs/scaling.md §7). Skipped when a control edge could close a cycle: ``per``'s own ops
+    may read, besides the output gradients, only tensors older than them (an op's inputs
+    are older than it, so nothing downstream of an output gradient).
+    """
+    if first is None or not hasattr(per, "op"):
+        return
+    sources, chain = [], set()
+    for dz in dzs:
+        t = dz
+        while True:  # back through the casts and identities dz_of may have added
+            sources.append(t)
+            op = t.op
+            if op._id < first or op.control_inputs or op.type not in ("Cast", "Identity"):  # noqa: SLF001
+                break
+            chain.add(op)
+            t = op.inputs[0]
+    oldest = min(t.op._id for t in sources)  # noqa: SLF001
+    source_ids = {id(t) for t in sources}
+    stack, seen = [per.op], set()
+    while stack:  # per's own ops (ids >= first): what do they read?
+        op = stack.pop()
+        if op in seen or op in chain:
+            continue
+        seen.add(op)
+        reads = [x.op for x in op.inputs if id(x) not in source_ids] + list(op.control_inputs)
+        for r in reads:
+            if r._id >= first:  # noqa: SLF001
+                stack.append(r)
+            elif r._id >= oldest:  # noqa: SLF001
+                return  # possibly downstream of an output gradient
+    for t in sources:
+        for reader in t.consumers():
+            if reader._id < first and reader not in chain:  # noqa: SLF001
+                reader._add_control_input(per.op)  # noqa: SLF001
 
 
 #: materialised per-example gradients of at most this many entries have their norms formed

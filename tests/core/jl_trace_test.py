@@ -1,0 +1,78 @@
+"""Tracing cost of JL directions and projections (docs/step_time.md: JL r = 5's first step
+was 2.1-3.4x non-private's, most of it graph ops built r times per weight).
+
+* ``jl.step_seeds`` / ``jl.draw`` / ``jl.draw_rows``: a bounded number of graph ops per
+  direction (a fold's draw does not depend on what is folded in: r + 2 draws give every
+  seed of a step; each direction is then two raw ops); the values are pinned elsewhere
+  (jl_memory_test: the same numbers as ``tf.random.experimental.stateless_fold_in`` and
+  ``tf.random.stateless_normal``), and again here against that formula.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dp.core import jl
+
+
+_SEED = tf.TensorSpec([2], tf.int64)
+
+
+def _added(fn):
+    """How many graph ops ``fn(seed)`` adds to a graph."""
+    count = []
+
+    def traced(seed):
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        fn(seed)
+        count.append(len(graph.get_operations()) - before)
+        return seed
+
+    tf.function(traced).get_concrete_function(_SEED)
+    return count[0]
+
+
+@pytest.mark.parametrize("r", [1, 5, 9])
+def test_draws_take_few_graph_ops_per_direction(r):
+    v = tf.Variable(tf.zeros([7, 3]))
+    # Before: 20 graph ops per direction of a whole draw (two stateless_fold_in and a
+    # stateless_normal, each with its own constants), 28 per direction of a row draw, for
+    # every weight. Now the step's seeds take a few ops per direction for all weights and
+    # each direction two more.
+    assert _added(lambda s: jl.step_seeds(r, s, 40)) <= 40 + 6 * r
+    whole = _added(lambda s: jl.draw(v, 2, r, s)) - _added(lambda s: jl.step_seeds(r, s, 3))
+    assert whole <= 3 + 2 * r
+    one = (_added(lambda s: jl.draw(v, 2, r, s, projection=r - 1))
+           - _added(lambda s: jl.step_seeds(r, s, 3)))
+    assert one <= 5
+    rows = (_added(lambda s: jl.draw_rows(v, 2, r, s, 4))
+            - _added(lambda s: jl.step_seeds(r, s, 3)))
+    assert rows <= 8 + 6 * r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_draws_are_those_of_the_public_ops(dtype):
+    v = tf.Variable(tf.zeros([4, 5], dtype))
+    seed, r, index = tf.constant([3, 11], tf.int64), 3, 6
+    fold = tf.random.experimental.stateless_fold_in
+    base = fold(seed, 0x4A4C)
+    got = jl.draw(v, index, r, seed).numpy()
+    rows = jl.draw_rows(v, index, r, seed, 2).numpy()
+    seeds = jl.step_seeds(r, seed, index + 2)[index]
+    np.testing.assert_array_equal(jl.draw(v, index, r, None, seeds=seeds).numpy(), got)
+    np.testing.assert_array_equal(jl.draw_rows(v, index, r, None, 2, seeds=seeds).numpy(),
+                                  rows)
+    for j in range(r):
+        s = fold(fold(base, j), index)
+        want = tf.random.stateless_normal([4, 5], seed=s, dtype=dtype).numpy()
+        np.testing.assert_array_equal(got[j], want)
+        np.testing.assert_array_equal(jl.draw(v, index, r, seed, projection=j).numpy(), want)
+        want_rows = tf.random.stateless_normal([2, 5], seed=fold(s, 0x524F), dtype=dtype)
+        np.testing.assert_array_equal(rows[j], want_rows.numpy())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
