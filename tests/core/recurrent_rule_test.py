@@ -188,6 +188,36 @@ def test_forward_and_input_gradient_equal_keras(case_id, build, float_input):
     np.testing.assert_allclose(grad_rule, grad_keras, rtol=1e-10, atol=1e-13)
 
 
+def _op_counts(fn, *args):
+    """Op types of a traced function with all its nested functions (loop bodies)."""
+    graph_def = fn.get_concrete_function(*args).graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    counts = {}
+    for n in nodes:
+        counts[n.op] = counts.get(n.op, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("activation,sigmoids", [("tanh", 3), ("relu", 6)])
+def test_default_lstm_backward_is_written_out(activation, sigmoids):
+    """With the Keras default activations the backward loop uses the hand-written step
+    backward (from the kept gates): the only sigmoids are the forward loop's
+    three gates. Another activation keeps the tape, which recomputes the step's gates in
+    the backward loop (three more). The values of both are pinned by the tests above
+    (``lstm_last`` and the masked cases take the written-out backward,
+    ``lstm_no_bias_relu`` the tape)."""
+    keras.utils.set_random_seed(0)
+    model = _seq(L.LSTM(4, activation=activation), dtype="float32")
+    loss_fn = build_per_example_loss("mse")
+
+    @tf.function
+    def step(x, y):
+        return clipped_sum(model, x, y, None, loss_fn, 1.0, norm_strategy="ghost").grads
+
+    counts = _op_counts(step, tf.zeros([3, 6, 3]), tf.zeros([3, 2]))
+    assert counts.get("Sigmoid", 0) == sigmoids, counts.get("Sigmoid")
+
+
 def test_bounds_cover_what_the_sum_adds():
     """float32, inputs from tiny to huge: each weight's bound is at least the float64 norm
     of the per-example gradient its factors describe."""
