@@ -1030,5 +1030,32 @@ def test_max_physical_batch_size_bounds_memory_and_keeps_the_step():
     with pytest.raises(ValueError, match="`max_physical_batch_size`"):
         model.fit(x, y, batch_size=32, max_physical_batch_size=0, verbose=0)
 
+def test_the_private_step_is_traced_once():
+    """A built model's DP optimizer is built by compile, outside any trace: the slot
+    variables a first trace would create made tf.function trace the private step twice
+    (a first step ~1.7x longer)."""
+    keras.utils.set_random_seed(0)
+    model = DPSequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                          keras.layers.Dense(2)])
+    model.compile(optimizer=DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                   learning_rate=1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert model.optimizer.built
+    traces = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None], tf.int64)])
+    def step(x, y):
+        traces.append(1)
+        return model.train_step((x, y))["loss"]
+
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 3)).astype("float32"))
+    y = tf.constant(np.arange(8) % 2)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    for _ in range(2):
+        step(x, y)
+    assert len(traces) == 1
+    assert any(not np.array_equal(b, v.numpy())
+               for b, v in zip(before, model.trainable_variables))
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
