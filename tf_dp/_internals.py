@@ -188,3 +188,13 @@ def num_workers(strategy) -> int:
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return 1
     return max(1, int(getattr(strategy.extended, "_num_workers", 1)))
+
+
+def compiling_with_xla() -> bool:
+    """Whether ops made now are in a function XLA compiles (``jit_compile=True``, also
+    nested), where some TensorFlow kernels (e.g. EuclideanNorm) do not exist."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util  # no public equivalent
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))

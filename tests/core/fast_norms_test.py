@@ -29,8 +29,51 @@ def test_squared_norms_rescale_only_the_rows_that_overflow(traced):
     # Squares below float32's smallest normal are flushed (the bound's absolute term).
     np.testing.assert_allclose(sq.numpy(), exact, rtol=1e-5, atol=96 * 2.0**-126)
     assert np.all(upper.numpy() >= exact)
-    assert np.all(upper.numpy() <= exact * (1 + 1e-5) + 96 * 2.0**-126)
+    # Absolute term: n flushed products and two per block (a root's square flushed).
+    assert np.all(upper.numpy() <= exact * (1 + 1e-5) + (96 + 2 * 3) * 2.0**-126)
 
+
+def test_squared_norms_bound_rows_of_every_scale_and_near_the_flush_threshold():
+    """Rows scaled over float32's whole range, rows whose block sums sit at its smallest
+    normal (where a root's square can flush) and near its largest (where the square of a
+    root can overflow): the bound holds against float64 sums; rows are summed in one pass
+    per block (a EuclideanNorm reduction, no tensor of squares), whose two extra roundings
+    the bound covers."""
+    n, k = 4096, 32
+    rows = [RNG.normal(size=n) * 10.0 ** e for e in range(-45, 19, 3)]
+    for target in (2.0**-126, 2.0**-125, 3 * 2.0**-127):  # block sums at the flush edge
+        block = np.abs(RNG.normal(size=k))
+        block *= np.sqrt(target / np.sum(block ** 2))
+        rows.append(np.tile(block, n // k))
+    big = np.full(n, np.sqrt(np.float32(3.4e38) / k) * 0.99999)  # block sums near max
+    rows.append(big)
+    x = np.stack(rows).astype(np.float32)
+    sq, upper = precision.squared_norms(tf.constant(x))
+    exact = np.sum(np.square(x.astype(np.float64)), axis=1)
+    assert np.all(upper.numpy() >= exact), np.flatnonzero(upper.numpy() < exact)
+    assert np.all(np.isfinite(upper.numpy()))
+    # The one-pass block sums: no Square op on a (B, n) tensor in the graph.
+    graph = tf.function(precision.squared_norms).get_concrete_function(
+        tf.TensorSpec([None, n], tf.float32)).graph
+    ops = {op.type for op in graph.get_operations()}
+    assert "EuclideanNorm" in ops
+    squares = [op for op in graph.get_operations() if op.type == "Square"
+               and op.outputs[0].shape.rank is not None and op.outputs[0].shape.rank >= 2
+               and op.outputs[0].shape[-1] in (k, n)]
+    assert not squares, [op.name for op in squares]
+
+
+
+def test_squared_norms_compile_with_xla_and_keep_the_bound():
+    """Under jit_compile (no EuclideanNorm kernel in XLA) the plain sum of squares is used;
+    the bound still holds (fails if the one-pass reduction is used there: XLA refuses it)."""
+    x = RNG.normal(size=(4, 256)).astype(np.float32)
+    x[1] *= 1e-21
+    x[2] *= 1e18
+    sq, upper = tf.function(precision.squared_norms, jit_compile=True)(tf.constant(x))
+    exact = np.sum(np.square(x.astype(np.float64)), axis=1)
+    assert np.all(upper.numpy() >= exact)
+    np.testing.assert_allclose(sq.numpy(), exact, rtol=1e-5, atol=256 * 2.0**-126)
 
 def test_squared_norms_of_non_finite_rows_are_not_finite():
     x = RNG.normal(size=(3, 64)).astype(np.float32)
