@@ -48,12 +48,24 @@ def per_example_gradients(model, loss_fn, x, y, sample_weight=None, variables=No
     variables = list(model.trainable_variables if variables is None else variables)
     handles = [_handle(v) for v in variables]
     per = [[] for _ in variables]
-    for i in range(_batch_size(x)):
+
+    def gradient(xi, yi, wi):
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(handles)
-            pred = model(_example(x, i), training=True)
-            loss = tf.reduce_sum(loss_fn(_example(y, i), pred, _example(sample_weight, i)))
-        grads = tape.gradient(loss, handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            pred = model(xi, training=True)
+            loss = tf.reduce_sum(loss_fn(yi, pred, wi))
+        return tape.gradient(loss, handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    compiled = None
+    for i in range(_batch_size(x)):
+        args = (_example(x, i), _example(y, i), _example(sample_weight, i))
+        try:
+            grads = gradient(*args) if compiled is None else compiled(*args)
+        except tf.errors.UnimplementedError:
+            # Some CPUs' kernels lack a case the reference needs (a float64 channels_first
+            # Conv2D, where oneDNN runs float32 ones): the same gradient compiled by XLA.
+            compiled = tf.function(gradient, jit_compile=True)
+            grads = compiled(*args)
         for j, g in enumerate(grads):
             per[j].append(np.asarray(tf.convert_to_tensor(g), dtype=np.float64))
     return [np.stack(p) for p in per]
