@@ -141,7 +141,12 @@ def test_the_models_take_the_paths_they_are_meant_to():
     assert not _materialise_for_projection(shape(6, 64), shape(6, 90), 3)
     # Conv1D(4, 3) on (B, 6, 90): patches (B, 4, 270), 1080 <= 4096: materialised.
     assert _materialise_for_projection(shape(4, 270), shape(4, 4), 3)
-    assert not _materialise_for_projection(shape(4, 270), shape(4, 4), 1)
+    assert _materialise_for_projection(shape(4, 270), shape(4, 4), 1)
+    # The BiLSTM's LSTM(64) kernels (T = 150, d = 64, 4H = 256), r = 1 too: materialising
+    # replaces a projection and a weighted sum of B*T*d*p each by one.
+    assert _materialise_for_projection(shape(150, 64), shape(150, 256), 1)
+    # One position (a Dense layer on (B, d)): the factors are projected.
+    assert not _materialise_for_projection(shape(1, 64), shape(1, 256), 5)
 
 
 # ------------------------------------------------------------------ (c) materialising
@@ -149,10 +154,13 @@ def test_the_models_take_the_paths_they_are_meant_to():
 
 @pytest.mark.parametrize("t,d,p,r", [(64, 256, 256, 5), (25, 256, 32, 5), (64, 256, 1024, 5),
                                      (150, 64, 256, 5), (196, 9, 64, 5), (4, 30, 40, 3),
-                                     (4, 30, 40, 1), (1, 300, 300, 5)])
+                                     (4, 30, 40, 1), (1, 300, 300, 5), (150, 64, 256, 1),
+                                     (2, 64, 64, 1), (1, 8, 8, 1)])
 def test_materialise_only_when_no_larger_than_the_factors_or_small(t, d, p, r):
     a, g = tf.TensorSpec([None, t, d]), tf.TensorSpec([None, t, p])
-    want = (r - 1) * (t - 1) > 1 and (d * p <= t * (d + p) or d * p <= 4096)
+    # Fewer flops whenever T >= 2 (the weighted sum counted: (r + 1) d p <= r T d p);
+    # memory: no larger than the factors, or small.
+    want = t >= 2 and (d * p <= t * (d + p) or d * p <= 4096)
     assert _materialise_for_projection(a, g, r) == want
     # The Transformer's attention (d = p = 256, T = 64, r = 5) was materialised by the
     # r-fold bound (65,536 <= 5 * 64 * 256): one 256 KiB gradient per example per weight.

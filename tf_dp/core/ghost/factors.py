@@ -137,16 +137,20 @@ _MATERIALISE_SMALL_ENTRIES = 1 << 12
 
 def _materialise_for_projection(a, g, num_projections):
     """JL projections of an outer-product term: materialise the per-example gradient
-    (B, d, p) only when that takes fewer flops (B*T*d*p + r*B*d*p against r*B*T*d*p for
-    projecting the factors, i.e. (r - 1)(T - 1) > 1) and its memory is small or no larger
-    than the factors (B, T, d + p) it replaces (it is kept for the weighted sum, they are
-    not). The factors are projected one direction at a time (one (B, T, min(d, p)) tensor
-    alive), so r does not scale the memory of the alternative."""
+    (B, d, p) whenever there are at least two positions and its memory is small or no
+    larger than the factors (B, T, d + p) it replaces (it is kept for the weighted sum, they
+    are not).
+
+    Flops: materialising is B*T*d*p once, then r*B*d*p for the projections and B*d*p for the
+    weighted sum; projecting the factors is r*B*T*(d*p + min(d, p)), and the weighted sum
+    from the factors another B*T*d*p. So materialising is cheaper for every r >= 1 once
+    T >= 2 ((r + 1) d p <= r T d p). (The rule once left out the weighted sum and projected
+    for r = 1: the BiLSTM's JL r = 1 step paid a second B*T*d*p per kernel and was slower
+    than r = 5, docs/step_time.md.) The factors are projected one direction at a time (one
+    (B, T, min(d, p)) tensor alive), so r does not scale the memory of the alternative."""
+    del num_projections  # the choice is the same for every r (see above)
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
-    if t is None or d is None or p is None:
-        return False
-    r = num_projections
-    if (r - 1) * (t - 1) <= 1:
+    if t is None or d is None or p is None or t < 2:
         return False
     return d * p <= max(_MATERIALISE_SMALL_ENTRIES, t * (d + p))
 
