@@ -7,6 +7,9 @@
   equal float64 brute force, for strides, padding, dilation, causal, channels_first, a batch
   that is no multiple of the chunk and an unknown batch; the full-batch patches must not
   appear in the traced graph.
+* Both ways of forming a chunk's gradients, one grouped filter gradient (the examples as
+  the groups; where ``_grouped_gradient_works``) and patches with a batched product, are
+  checked; the probe that decides refuses a kernel that fails or mixes examples.
 * Every outer-product term forms its input factor (the patches) under a control dependency
   on its own output gradient (``terms.OuterTerm.factors``): checked on the traced graph.
 """
@@ -88,6 +91,27 @@ def _skip_nchw(name):
         pytest.skip("this TensorFlow build runs no channels_first Conv2D on this CPU")
 
 
+def _use_path(monkeypatch, path):
+    """Force the chunks' gradients through ``path``: "grouped" (skipped where the grouped
+    filter gradient does not run) or "patches"."""
+    if path == "grouped":
+        if not conv._grouped_gradient_works(tf.float32):
+            pytest.skip("no grouped filter gradient in this TensorFlow build (oneDNN off)")
+    else:
+        monkeypatch.setattr(conv, "_GROUPED_WORKS", {"float32": False})
+
+
+def _chunk_bytes(path, layer, shape, chunk_examples):
+    """(attribute, value) that makes chunks of ``chunk_examples`` examples on ``path``."""
+    steps = layer.compute_output_shape((1,) + shape)
+    steps = int(np.prod(steps[1:])) // layer.filters
+    width = int(np.prod(layer.kernel.shape[:-1]))
+    if path == "patches":
+        return "_CHUNK_BYTES", chunk_examples * steps * width * 4
+    per_example = int(np.prod(shape)) + steps * (layer.filters + width) + width * layer.filters
+    return "_GROUPED_CHUNK_BYTES", chunk_examples * per_example * 4
+
+
 def _kernel_factors(model, x, y, w, directions, kinds):
     """The first layer kernel's factors: (per, sq, bound, weighted_sum(w), project)."""
     kernel = model.layers[0].kernel
@@ -106,18 +130,28 @@ def _kernel_factors(model, x, y, w, directions, kinds):
     ("eager", 3), ("static_batch", 3), ("unknown_batch", 3),
     ("static_batch", 1000)])  # one chunk: no loop
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_chunked_kernel_gradients_match_float64_brute_force(name, chunk_examples, traced,
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_chunked_kernel_gradients_match_float64_brute_force(path, name, chunk_examples, traced,
                                                             monkeypatch):
     _skip_nchw(name)
+    _use_path(monkeypatch, path)
     m32, m64 = _models(name)
     shape, kwargs, rank, s2d = CASES[name]
+    # dilated kernels: no grouped filter gradient on CPU (patches)
+    grouped = path == "grouped" and "dilat" not in name
+    s2d = s2d and not grouped
     assert conv._direct_kernel_gradient(m32.layers[0], tf.zeros((1,) + shape),
                                         m32.layers[0](tf.zeros((1,) + shape)))
     # Chunks of `chunk_examples` examples: 7 is no multiple of 3 (two padded examples).
-    steps = m32.layers[0].compute_output_shape((1,) + shape)
-    steps = int(np.prod(steps[1:])) // kwargs["filters"]
-    width = int(np.prod(m32.layers[0].kernel.shape[:-1]))
-    monkeypatch.setattr(conv, "_CHUNK_BYTES", chunk_examples * steps * width * 4)
+    attr, value = _chunk_bytes("grouped" if grouped else "patches", m32.layers[0], shape,
+                               chunk_examples)
+    monkeypatch.setattr(conv, attr, value)
+    chunks, grouped_calls = [], []
+    in_chunks, grouped_fn = conv._in_chunks, conv._grouped_gradient
+    monkeypatch.setattr(conv, "_in_chunks",
+                        lambda *a: chunks.append(a[3]) or in_chunks(*a))
+    monkeypatch.setattr(conv, "_grouped_gradient",
+                        lambda *a: grouped_calls.append(1) or grouped_fn(*a))
     n = 7
     x, y = _batch(name, n)
     w = RNG.uniform(size=n).astype(np.float32)
@@ -136,6 +170,8 @@ def test_chunked_kernel_gradients_match_float64_brute_force(name, chunk_examples
     per, sq, bound, wsum, proj = [t.numpy() for t in fn(tf.constant(x), tf.constant(y))]
     assert kinds[0] == ["DirectTerm"]
     assert bool(s2d_calls) == s2d
+    assert bool(grouped_calls) == grouped
+    assert chunks and set(chunks) == {chunk_examples}
 
     bf = ref.per_example_gradients(m64, LOSS, x.astype(np.float64), y.astype(np.float64),
                                    variables=[m64.layers[0].kernel])[0]
@@ -194,9 +230,13 @@ def _norms_and_grads(res):
 
 @pytest.mark.parametrize("name", ["conv2d_s2d_same", "conv1d_causal_dilated",
                                   "conv2d_channels_first"])
-def test_clipped_sum_with_chunks_and_unknown_batch_matches_brute_force(name, monkeypatch):
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_clipped_sum_with_chunks_and_unknown_batch_matches_brute_force(path, name,
+                                                                       monkeypatch):
     _skip_nchw(name)
+    _use_path(monkeypatch, path)
     monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)  # one example per chunk
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1)
     m32, m64 = _models(name)
     x, y = _batch(name, 5, adversarial=False)
     norms, sums = ref.clipped_sum_reference(m64, LOSS, x.astype(np.float64),
@@ -229,6 +269,7 @@ def _trace(model, shape):
 def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(monkeypatch):
     # 12x12 patches of one channel (144 > 128 columns: tf.image.extract_patches): with the
     # batch unknown the patches exist only inside the loop over chunks.
+    _use_path(monkeypatch, "patches")
     monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
     keras.utils.set_random_seed(5)
     model = _model("conv2d_wide_patches")
@@ -236,6 +277,62 @@ def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(mo
     outer = [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
     assert not outer
     assert _function_ops(graph, "ExtractImagePatches")  # the chunks' own
+
+
+def test_grouped_chunks_form_no_patches(monkeypatch):
+    # The grouped path: one grouped filter gradient per chunk, inside the loop, and no
+    # patches anywhere (oneDNN forms its own per chunk).
+    _use_path(monkeypatch, "grouped")
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1 << 16)
+    keras.utils.set_random_seed(5)
+    model = _model("conv2d_wide_patches")
+    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    assert not [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
+    # (the main graph also holds the tape's unused batch filter gradient: pruned at run time)
+    assert len(_function_ops(graph, "Conv2DBackpropFilter")) == 1
+    assert not _function_ops(graph, "ExtractImagePatches")
+
+
+def _mixing(fn):
+    """``fn`` with each example's gradient replaced by its neighbour's (mixes examples)."""
+    return lambda *a: tf.roll(fn(*a), 1, axis=0)
+
+
+def test_the_probe_takes_only_a_grouped_gradient_that_is_each_examples_own(monkeypatch,
+                                                                           caplog):
+    # float64: TensorFlow's CPU kernels have no grouped filter gradient: refused, logged
+    assert not conv._probe_grouped(tf.float64)
+    assert not conv._grouped_gradient_works(tf.float64)
+    if not conv._probe_grouped(tf.float32):
+        pytest.skip("no grouped filter gradient in this TensorFlow build (oneDNN off)")
+    # A kernel that ran but mixed the examples (or put a channel in the wrong place)
+    # would break the clip bound: the probe refuses it, with a warning.
+    original = conv._grouped_gradient
+    monkeypatch.setattr(conv, "_grouped_gradient", _mixing(original))
+    with caplog.at_level("WARNING", logger="tf_dp"):
+        assert not conv._probe_grouped(tf.float32)
+    assert "does not give each example's own" in caplog.text
+    monkeypatch.setattr(conv, "_grouped_gradient",
+                        lambda *a: tf.reverse(original(*a), axis=[2]))
+    assert not conv._probe_grouped(tf.float32)
+
+
+def test_a_refused_grouped_gradient_falls_back_to_patches(monkeypatch):
+    # What the step does with the probe's answer: with it refused (here by a kernel that
+    # mixes examples) the chunks take patches, and the gradients are the examples' own.
+    monkeypatch.setattr(conv, "_GROUPED_WORKS", {})
+    monkeypatch.setattr(conv, "_grouped_gradient", _mixing(conv._grouped_gradient))
+    layer = keras.layers.Conv2D(3, 3, strides=2, padding="same")
+    layer.build((None, 9, 9, 2))
+    x = tf.constant(RNG.integers(-3, 4, size=(5, 9, 9, 2)).astype(np.float32))
+    dz = tf.constant(RNG.integers(-3, 4, size=(5, 5, 5, 3)).astype(np.float32))
+    from tf_dp.core.ghost.terms import rows
+    got = conv._chunked_kernel_gradient(layer, x, "same", rows, out_spatial=(5, 5))(dz)
+    assert conv._GROUPED_WORKS == {"float32": False}
+    want = np.stack([tf.raw_ops.Conv2DBackpropFilter(
+        input=x[b:b + 1], filter_sizes=[3, 3, 2, 3], out_backprop=dz[b:b + 1],
+        strides=[1, 2, 2, 1], padding="SAME").numpy() for b in range(5)])
+    np.testing.assert_array_equal(got.numpy(), want)
 
 
 def _ancestors(op):

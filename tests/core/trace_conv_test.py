@@ -25,7 +25,7 @@ def _graph(batch=None):
 
     @tf.autograph.experimental.do_not_convert
     def grads(x, dz):
-        return conv._chunked_kernel_gradient(layer, x, "same", rows)(dz)
+        return conv._chunked_kernel_gradient(layer, x, "same", rows, out_spatial=(14, 14))(dz)
 
     return tf.function(grads, input_signature=spec).get_concrete_function().graph
 
@@ -56,14 +56,21 @@ def test_a_static_batch_within_one_chunk_has_no_loop():
     assert not functions and main["StatelessWhile"] + main["While"] == 0, (main, functions)
 
 
-@pytest.mark.parametrize("batch", [0, 1, 83, 84, 167, 256])
-def test_same_values_as_one_chunk(batch):
+@pytest.mark.parametrize("batch", [0, 1, 29, 30, 83, 84, 167, 256])
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_same_values_as_one_chunk(path, batch, monkeypatch):
+    # chunks of 83 examples (patches) or 29 (grouped filter gradients)
+    if path == "patches":
+        monkeypatch.setattr(conv, "_GROUPED_WORKS", {"float32": False})
+    elif not conv._grouped_gradient_works(tf.float32):
+        pytest.skip("no grouped filter gradient in this TensorFlow build (oneDNN off)")
     layer = keras.layers.Conv2D(16, 8, strides=2, padding="same")
     layer.build((None, 28, 28, 1))
     rng = np.random.default_rng(batch)
     x = tf.constant(rng.normal(size=(batch, 28, 28, 1)).astype(np.float32))
     dz = tf.constant(rng.normal(size=(batch, 14, 14, 16)).astype(np.float32))
-    fn = tf.function(lambda a, b: conv._chunked_kernel_gradient(layer, a, "same", rows)(b),
+    fn = tf.function(lambda a, b: conv._chunked_kernel_gradient(
+        layer, a, "same", rows, out_spatial=(14, 14))(b),
                      input_signature=[tf.TensorSpec([None, 28, 28, 1]),
                                       tf.TensorSpec([None, 14, 14, 16])])
     got = fn(x, dz).numpy()
