@@ -198,3 +198,57 @@ def compiling_with_xla() -> bool:
     from tensorflow.python.ops import control_flow_util  # no public equivalent
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+_PFOR_LOCK = __import__("threading").Lock()
+_PFOR_DEPTH = [0]
+_PFOR_SAVED: dict = {}
+
+
+def pfor_converters(overrides: dict):
+    """A context manager under which ``tf.vectorized_map`` converts the op types in
+    ``overrides`` with ``overrides[op_type](pfor_input, original)``: ``original`` is
+    TensorFlow's own converter, which an override calls for the cases it does not take.
+    Nested and concurrent uses (replicas tracing in threads) share one installation,
+    removed when the last one exits, so TensorFlow's converters are always restored.
+    ``pfor_input`` has the private ``_PforInput`` API (``stacked_input``, ``get_attr``,
+    ...); return ``wrap(tensor)`` of a stacked (per-iteration) result.
+
+    Private: ``parallel_for.pfor._pfor_converter_registry``. Public replacement: none
+    (pfor's converters are registered once, at import; no hook per call).
+    """
+    import contextlib
+
+    from tensorflow.python.ops.parallel_for import pfor
+
+    registry = pfor._pfor_converter_registry
+
+    @contextlib.contextmanager
+    def installed():
+        with _PFOR_LOCK:
+            if _PFOR_DEPTH[0] == 0:
+                for op_type, fn in overrides.items():
+                    original = registry.get(op_type)
+                    if original is None:
+                        continue
+                    _PFOR_SAVED[op_type] = original
+                    registry[op_type] = (
+                        lambda pfor_input, fn=fn, original=original: fn(pfor_input, original))
+            _PFOR_DEPTH[0] += 1
+        try:
+            yield
+        finally:
+            with _PFOR_LOCK:
+                _PFOR_DEPTH[0] -= 1
+                if _PFOR_DEPTH[0] == 0:
+                    registry.update(_PFOR_SAVED)
+                    _PFOR_SAVED.clear()
+
+    return installed()
+
+
+def pfor_wrap(tensor):
+    """A pfor converter's stacked (per-iteration) result. Private: ``pfor.wrap``."""
+    from tensorflow.python.ops.parallel_for import pfor
+
+    return pfor.wrap(tensor, True)

@@ -297,10 +297,8 @@ def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None):
                    and not _internals.compiling_with_xla()
                    and _grouped_gradient_works(g.dtype))
         if grouped:
-            # the chunk's input, output gradient, gradients and oneDNN's patches
-            per_example = x[0].shape.num_elements() + steps * (layer.filters + width) + (
-                width * layer.filters)
-            chunk = max(1, _GROUPED_CHUNK_BYTES // (per_example * g.dtype.size))
+            chunk = _grouped_chunk(x[0].shape.num_elements(), steps, width, layer.filters,
+                                   g.dtype.size)
         else:
             chunk = max(1, _CHUNK_BYTES // (steps * width * g.dtype.size))
         per = _in_chunks(grouped_chunk if grouped else patches_chunk, xg, g, chunk, width,
@@ -313,6 +311,14 @@ def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None):
 #: a chunk of the grouped filter gradient's operands takes at most about this many bytes
 #: (fastest of 16-128 examples per chunk for six shapes on an AVX-512 CPU: about 2 MiB)
 _GROUPED_CHUNK_BYTES = 2 << 20
+
+
+def _grouped_chunk(inputs, steps, width, filters, itemsize) -> int:
+    """Examples per chunk of ``_grouped_gradient``: ``inputs`` entries of one example's
+    input, ``steps`` output positions, a (``width``, ``filters``) kernel. Counted: the
+    chunk's input, output gradient, gradients and oneDNN's patches."""
+    per_example = inputs + steps * (filters + width) + width * filters
+    return max(1, _GROUPED_CHUNK_BYTES // (per_example * itemsize))
 
 
 def _grouped_gradient(x, g, kernel_size, strides, padding, out_spatial):
