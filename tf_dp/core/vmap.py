@@ -158,8 +158,51 @@ def _max_pool_grad(pfor_input, original):
     return _internals.pfor_wrap(tf.reshape(dx, tf.shape(x)))
 
 
+def _add_n(pfor_input, original):
+    """pfor's AddN of per-example matrix products, as an unrolled recurrent layer's kernel
+    gradient is (one (d x 4h) outer product per time step and example, summed): ONE
+    product over the factors concatenated along the contracted axis, the same sum (in
+    another order), plus whatever other inputs the sum has. The vectorized BiLSTM spent
+    1.8 of its 2.4 s in those products and their sum. The products taken are rank 3
+    (BatchMatMulV2) with the first one's adjoint flags, dtype and operand shapes but for the
+    contracted axis; with fewer than two of them, TensorFlow's converter."""
+    inputs = [pfor_input.input(i) for i in range(pfor_input.num_inputs)]
+    products = [t.op for t, stacked, _ in inputs if stacked and t.op.type == "BatchMatMulV2"]
+    if len(products) < 2:
+        return original(pfor_input)
+    first = products[0]
+    adj_x, adj_y = first.get_attr("adj_x"), first.get_attr("adj_y")
+    kx, ky = (1 if adj_x else 2), (2 if adj_y else 1)  # the contracted axis of each operand
+
+    def rest(shape, axis):
+        dims = shape.as_list() if shape.rank == 3 else None
+        return None if dims is None else dims[:axis] + dims[axis + 1:]
+
+    def fits(op):
+        x, y = op.inputs[0], op.inputs[1]
+        return (op.get_attr("adj_x") == adj_x and op.get_attr("adj_y") == adj_y
+                and rest(x.shape, kx) is not None and rest(y.shape, ky) is not None
+                and rest(x.shape, kx) == rest(first.inputs[0].shape, kx)
+                and rest(y.shape, ky) == rest(first.inputs[1].shape, ky)
+                and x.dtype == y.dtype == first.inputs[0].dtype)
+
+    taken = [op for op in products if fits(op)]
+    if len(taken) < 2:
+        return original(pfor_input)
+    taken_ids = {id(op) for op in taken}
+    out = tf.linalg.matmul(tf.concat([op.inputs[0] for op in taken], kx),
+                           tf.concat([op.inputs[1] for op in taken], ky),
+                           adjoint_a=adj_x, adjoint_b=adj_y)
+    # the other inputs (an unstacked one is the same for every example)
+    others = [t if stacked else tf.broadcast_to(t, tf.shape(out))
+              for t, stacked, _ in inputs if not (stacked and id(t.op) in taken_ids)]
+    if others:
+        out = tf.add_n([out] + others)
+    return _internals.pfor_wrap(out)
+
+
 _PFOR_OVERRIDES = {"Conv2DBackpropFilter": _conv2d_backprop_filter,
-                   "MaxPoolGrad": _max_pool_grad}
+                   "MaxPoolGrad": _max_pool_grad, "AddN": _add_n}
 
 
 def _expand(structure):

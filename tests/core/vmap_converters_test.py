@@ -1,14 +1,17 @@
-"""The vectorized fallback's convolution and max-pool gradients (issue 14: vectorized <= 3x).
+"""The vectorized fallback's own pfor converters (issue 14: vectorized <= 3x).
 
 ``tf.vectorized_map`` converts a per-example Conv2DBackpropFilter into a while loop over
-the examples, and a per-example MaxPoolGrad into one that oneDNN cannot pair with its
-forward pool (Eigen's kernel, 15 of the tutorial CNN's 66 ms). ``tf_dp.core.vmap``
-overrides both converters while it vectorizes (``_internals.pfor_converters``): one grouped
-filter gradient per chunk of examples, and the pool formed again next to its gradient.
+the examples, a per-example MaxPoolGrad into one that oneDNN cannot pair with its forward
+pool (Eigen's kernel, 15 of the tutorial CNN's 66 ms), and an unrolled recurrent kernel's
+gradient into one outer product per time step and example and their AddN (1.8 of the
+BiLSTM's 2.4 s). ``tf_dp.core.vmap`` overrides those converters while it vectorizes
+(``_internals.pfor_converters``): one grouped filter gradient per chunk of examples, the
+pool formed again next to its gradient, one product over the concatenated factors.
 Pinned here: per-example gradients against float64 brute force one example at a time
 (adversarial scales included), that the fast paths ran, that every case they do not take
-(dilation, an output that is not the pool of the input) goes to TensorFlow's converter and
-stays exact, and that TensorFlow's converters are restored however the block ends.
+(dilation, an output that is not the pool of the input, a sum of other things) goes to
+TensorFlow's converter and stays exact, and that TensorFlow's converters are restored
+however the block ends.
 """
 
 import sys
@@ -39,6 +42,10 @@ CASES = {
     # dilation: no grouped filter gradient on CPU: TensorFlow's converter, still exact
     "dilated": ((9, 9, 2), lambda: [L.Conv2D(3, 3, dilation_rate=2), L.Flatten(),
                                     L.Dense(2)]),
+    # unrolled recurrences: each kernel's gradient a sum of per-step products
+    "recurrent": ((7, 3), lambda: [L.Bidirectional(L.LSTM(4, return_sequences=True)),
+                                   L.GRU(3, return_sequences=True), L.SimpleRNN(2),
+                                   L.Dense(2)]),
 }
 
 
@@ -84,7 +91,8 @@ def test_vectorized_conv_and_pool_gradients_match_float64_brute_force(name, trac
     m32, m64 = _models(name)
     n = 6
     x = RNG.normal(size=(n,) + CASES[name][0]).astype(np.float32)
-    x[1] *= 1e4    # huge
+    if name != "recurrent":  # (saturated gates: float32's and float64's forward differ)
+        x[1] *= 1e4    # huge
     x[2] *= 1e-12  # tiny
     y = RNG.normal(size=(n, 2)).astype(np.float32)
     variables = m32.trainable_variables
@@ -107,6 +115,9 @@ def test_vectorized_conv_and_pool_gradients_match_float64_brute_force(name, trac
     pools = sum(isinstance(layer, (L.MaxPooling1D, L.MaxPooling2D)) for layer in m32.layers)
     if name == "dilated":
         assert calls.count(("tensorflow", "Conv2DBackpropFilter")) == convs
+    elif name == "recurrent":
+        # both kernels of the two LSTMs, the GRU and the SimpleRNN
+        assert calls.count(("ours", "AddN")) >= 8, calls
     else:
         assert calls.count(("ours", "Conv2DBackpropFilter")) == convs, calls
         assert calls.count(("ours", "MaxPoolGrad")) == pools, calls
@@ -131,6 +142,37 @@ def test_a_pool_gradient_of_another_output_goes_to_tensorflows_converter(monkeyp
     want = tf.stack([one((x[i], other[i], dy[i])) for i in range(4)])
     np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert calls == [("tensorflow", "MaxPoolGrad")]
+
+
+def test_sums_of_products_are_one_product_and_the_rest_is_added_exactly(monkeypatch):
+    # Products taken, products with other adjoint flags (not taken), a plain tensor and one
+    # the same for every example: integers, so every order of the sums is exact.
+    calls = _spied(monkeypatch)
+    a = tf.constant(RNG.integers(-3, 4, size=(5, 4, 1, 3)).astype(np.float32))
+    b = tf.constant(RNG.integers(-3, 4, size=(5, 4, 1, 2)).astype(np.float32))
+    c = tf.constant(RNG.integers(-3, 4, size=(5, 3, 2)).astype(np.float32))
+    shared = tf.constant(RNG.integers(-3, 4, size=(3, 2)).astype(np.float32))
+
+    def one(args):
+        ai, bi, ci = args
+        terms = [tf.matmul(ai[t], bi[t], transpose_a=True) for t in range(4)]
+        # products with other adjoint flags (not taken: added as they are)
+        terms += [tf.matmul(tf.transpose(ai[0]), bi[1]), tf.matmul(ci[:, :1], ci[:1, :])]
+        terms += [ci, shared]
+        return tf.add_n(terms)
+
+    with _internals.pfor_converters(vmap._PFOR_OVERRIDES):
+        got = tf.function(lambda: tf.vectorized_map(one, (a, b, c)))()
+    want = tf.stack([one((a[i], b[i], c[i])) for i in range(5)])
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert ("ours", "AddN") in calls
+
+    calls.clear()  # no two products: TensorFlow's converter
+    with _internals.pfor_converters(vmap._PFOR_OVERRIDES):
+        got = tf.function(lambda: tf.vectorized_map(
+            lambda args: tf.add_n([args[2], args[2] * 2.0, shared]), (a, b, c)))()
+    np.testing.assert_array_equal(got.numpy(), (c * 3.0 + shared).numpy())
+    assert calls == [("tensorflow", "AddN")]
 
 
 def test_tensorflows_converters_are_restored_however_the_block_ends():
