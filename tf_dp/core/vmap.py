@@ -5,6 +5,10 @@ recurrent layers run a ``tf.while_loop`` over TensorArrays that pfor cannot conv
 "variant dtype" failure also seen with TF Privacy), so recurrent layers are unrolled while
 the per-example function is traced when their time axis is static; when vectorization still
 fails, a ``tf.map_fn`` loop over examples is the last resort (exact, slower).
+
+While it vectorizes, three of pfor's converters are replaced by faster ones for the cases
+they take (``_PFOR_OVERRIDES``: per-example filter gradients, max-pool gradients, sums of
+per-example products; docs/design.md, "Kernels chosen for speed").
 """
 
 from __future__ import annotations

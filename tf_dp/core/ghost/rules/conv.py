@@ -7,7 +7,9 @@ output positions l, with im2col patches of the input (Goodfellow 2015; Rochette 
   and 2-D). A Conv1D/Conv2D kernel whose per-example gradient the factors would
   materialise anyway (few input channels: T^2 > d*p) gets it directly instead, formed a
   chunk of examples at a time, so the whole batch's patches never exist
-  (``_direct_kernel_gradient``; docs/scaling.md section 3 (b)).
+  (``_direct_kernel_gradient``; docs/scaling.md section 3 (b)): one grouped filter
+  gradient per chunk (the examples as the groups) where a probe finds that kernel exact
+  (oneDNN), the chunk's patches and a batched product otherwise.
 * DepthwiseConv1D / DepthwiseConv2D: output channel ``c * multiplier + m`` sees only input
   channel c, so the per-example kernel gradient ``sum_l patch_l[k, c] dz_l[c, m]`` is no
   outer product of the kernel's flattened axes: it is formed directly (B x kernel entries).
