@@ -2,7 +2,7 @@
 
     python _multi_worker_child.py <task index> <port,port> <result.json>
 
-Runs both problems, one after the other, in one cluster (starting the workers is most of
+Runs the problems one after the other, in one cluster (starting the workers is most of
 the cost):
   declared  each worker feeds, through distribute_datasets_from_function, the rows of a
             fixed list of logical batches that belong to its shard (row i -> worker i % 2);
@@ -10,6 +10,8 @@ the cost):
   noise     zero loss, seeded noise (test only), array inputs sampled by fit on each
             worker's shard: the update is exactly -z / (q N) with z the step's noise, added
             once for the cluster.
+  validation  array inputs with validation_split: the history's validation metrics must be
+            those of the final weights on the held-out rows, on every worker.
 The result file gets the final weights and the worker's accountant record.
 """
 
@@ -46,6 +48,19 @@ def run(strategy, mode):
         dataset = strategy.distribute_datasets_from_function(lambda context: local)
         model.fit(dataset, epochs=1, steps_per_epoch=len(shard), verbose=0,
                   dataset_size=len(x), sampling_probability=data.Q)
+    elif mode == "validation":
+        # arrays sampled by fit on each worker's shard, the last quarter held out: every
+        # worker evaluates all of it after each epoch
+        x, y = data.regression()
+        with strategy.scope():
+            model = make_private(data.mlp())
+            model.compile(optimizer=data.optimizer(), loss="mse", metrics=["mae"])
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_split=0.25,
+                            validation_batch_size=3)
+        phases = [(p.noise_multiplier, p.sampling_probability, p.count)
+                  for p in model.accountant.phases]
+        return {"weights": [w.tolist() for w in model.get_weights()], "phases": phases,
+                "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
     else:
         x, y = data.noise_problem()
         with strategy.scope():
@@ -63,7 +78,7 @@ def run(strategy, mode):
 def main():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     assert strategy.num_replicas_in_sync == len(ports), strategy.num_replicas_in_sync
-    results = {mode: run(strategy, mode) for mode in ("declared", "noise")}
+    results = {mode: run(strategy, mode) for mode in ("declared", "noise", "validation")}
     with open(out, "w") as f:
         json.dump(results, f)
 

@@ -194,6 +194,30 @@ def test_workers_with_different_row_counts_are_refused(monkeypatch):
         dp_model._worker_shard_sampler(None, context, np.arange(60), None, None, 12, seed=None)
 
 
+def test_validation_metrics_are_those_of_the_whole_held_out_set_on_every_worker(cluster):
+    """validation_split under MultiWorkerMirroredStrategy: each worker evaluates all of the
+    held-out rows (the same batches on every replica), so the last epoch's val_loss and
+    val_mae are the final weights' on those rows, on both workers; the held-out rows are
+    never sampled for training (N = 30 in the accountant's q = 8 / 30)."""
+    results = [worker["validation"] for worker in cluster]
+    x, y = data.regression()
+    cut = int(len(x) * 0.75)
+    for result in results:
+        model = data.mlp()
+        model.set_weights([np.asarray(w, np.float32) for w in result["weights"]])
+        pred = model.predict(x[cut:], verbose=0)
+        history = result["history"]
+        assert len(history["val_loss"]) == 2
+        assert history["val_loss"][-1] == pytest.approx(float(np.mean((pred - y[cut:]) ** 2)),
+                                                        rel=1e-5)
+        assert history["val_mae"][-1] == pytest.approx(float(np.mean(np.abs(pred - y[cut:]))),
+                                                       rel=1e-5)
+        (sigma, q, steps), = result["phases"]
+        assert q == pytest.approx(8 / cut)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_unsafe_multi_worker_inputs_are_refused():
     two = tf.distribute.InputContext(2, 0, 2)
     check = dp_model._check_multi_worker_input
@@ -212,8 +236,12 @@ def test_unsafe_multi_worker_inputs_are_refused():
         check(tf.distribute.InputContext(2, 0, 4), x, **ok)
     with pytest.raises(ValueError, match="schedule"):
         check(two, x, **{**ok, "schedule": object()})
-    with pytest.raises(ValueError, match="validation"):
-        check(two, x, **{**ok, "validation_split": 0.2})
+    check(two, x, **{**ok, "validation_split": 0.2})  # every worker evaluates all of it
+    check(two, x, **{**ok, "validation_data": (x, x)})
+    distributed = tf.distribute.MirroredStrategy(["/cpu:0"]).experimental_distribute_dataset(
+        dataset)
+    with pytest.raises(ValueError, match="validation_data. must be arrays"):
+        check(two, x, **{**ok, "validation_data": distributed})
 
 
 if __name__ == "__main__":

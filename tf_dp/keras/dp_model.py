@@ -359,6 +359,10 @@ class DPTrainMixin:
             # the replicas: the phase index goes as a [1] vector, which exactly one replica
             # receives; the step sums it over replicas (_dp_train_step).
             fit_args["x"] = fit_args["x"].map(lambda batch, phase: (batch, tf.reshape(phase, [1])))
+        if workers is not None and validation_data is not None:
+            validation_data = _on_every_worker(
+                self.distribute_strategy, validation_data,
+                kwargs.pop("validation_batch_size", None) or batch_size or 32)
         self._dp_set_sampling(expected, q, poisson=poisson)
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
         in_flight = (max((opt.mechanism(p) for p in q), key=lambda m: m[1]) if scheduled
@@ -464,6 +468,14 @@ class DPTrainMixin:
             # Keras reduces a multi-worker step's outputs with reduce("MEAN", axis=0), which
             # fails on scalars (keras-team/keras#20585): as [1] vectors they are averaged
             # over all replicas of the cluster into scalars.
+            logs = {key: tf.reshape(value, [1]) for key, value in logs.items()}
+        return logs
+
+    def test_step(self, data):
+        """Keras' evaluation step; under MultiWorkerMirroredStrategy its logs as [1] vectors
+        (as ``train_step``'s: Keras' multi-worker reduction fails on scalars)."""
+        logs = super().test_step(data)
+        if _internals.in_multi_worker_mode(self.distribute_strategy):
             logs = {key: tf.reshape(value, [1]) for key, value in logs.items()}
         return logs
 
@@ -760,9 +772,13 @@ def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation
     if schedule is not None:
         raise ValueError("A `batch_size` schedule is not supported under "
                          "MultiWorkerMirroredStrategy yet; use a fixed `batch_size`.")
-    if validation_split or validation_data is not None:
-        raise ValueError("`validation_split` / `validation_data` are not supported under "
-                         "MultiWorkerMirroredStrategy; evaluate after fit().")
+    if validation_data is not None and (
+            isinstance(validation_data, tf.distribute.DistributedDataset)
+            or hasattr(validation_data, "_input_contexts")):
+        raise ValueError(
+            "Under MultiWorkerMirroredStrategy `validation_data` must be arrays or a "
+            "tf.data.Dataset: every worker then evaluates all of it (a distributed dataset "
+            "would split it in a way tf_dp cannot check).")
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
             x, "_input_contexts"):  # DistributedDatasetsFromFunction
         if dataset_size is None or sampling_probability is None:
@@ -783,6 +799,25 @@ def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation
             f"{type(x).__name__}" + ("" if poisson_sampling else " with poisson_sampling=False")
             + ". A dataset, or a PoissonSampler, on every worker would sample the same "
             "examples independently on each worker.")
+
+
+def _on_every_worker(strategy, validation_data, batch_size):
+    """The whole validation set for every worker's replica, unsplit.
+
+    Keras would shard it over the workers, which can leave them different numbers of
+    batches (and a collective one worker never joins) and makes the metrics depend on how
+    Keras combines replicas. With the same batches on every replica, every way of combining
+    them (sum of totals and counts, mean, first replica) gives the metrics of the whole set;
+    the cost is that each worker evaluates all of it. (The validation rows are held out of
+    training and their metrics carry no noise: outside the guarantee, as in one process.)
+    """
+    if isinstance(validation_data, tf.data.Dataset):
+        local = validation_data
+    else:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+        local = tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+    return strategy.distribute_datasets_from_function(lambda context: local)
 
 
 def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch, seed):
