@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dp.data import PoissonSampler, expected_steps
+from tf_dp.data.poisson import exact_rate
 
 
 def _ids(n):
@@ -622,8 +623,8 @@ def test_fit_takes_empty_steps():
     model.fit(sampler, epochs=1, steps_per_epoch=5, verbose=0)
     assert int(model.optimizer.iterations) == 5
     assert model.privacy_report()["phases"] == [
-        {"noise_multiplier": 1.0, "sampling_probability": 0.01, "num_projections": None,
-         "count": 5}]
+        {"noise_multiplier": 1.0, "sampling_probability": exact_rate(0.01),
+         "num_projections": None, "count": 5}]
 
 
 @pytest.mark.filterwarnings("ignore:ε = inf")  # sigma = 0

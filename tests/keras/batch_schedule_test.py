@@ -19,6 +19,7 @@ import tf_dp  # noqa: E402
 from tf_dp.accounting import PrivacyAccountant  # noqa: E402
 from tf_dp.data import PoissonSampler  # noqa: E402
 from tf_dp.schedules import PiecewiseBatchSize  # noqa: E402
+from tf_dp.data.poisson import exact_rate  # noqa: E402
 
 
 def test_schedule_phases_and_refusals():
@@ -39,7 +40,8 @@ def test_each_phase_samples_at_its_own_rate():
     x = np.arange(n, dtype="float32").reshape(n, 1)
     for source in (x, tf.data.Dataset.from_tensor_slices(x)):
         sampler = PoissonSampler(source, expected_batch_size=PiecewiseBatchSize([25], [20, 200]))
-        assert sampler.phase_probabilities == (0.01, 0.1)
+        # the rates actually used (data/poisson.exact_rate: on the float64 uniforms' grid)
+        assert sampler.phase_probabilities == (exact_rate(0.01), exact_rate(0.1))
         sizes = {0: [], 1: []}
         for t, (batch, phase) in enumerate(sampler.dataset(num_steps=50)):
             assert int(phase) == (0 if t < 25 else 1)
@@ -96,7 +98,7 @@ def test_each_step_is_divided_by_its_phase_expected_size_and_accounted_at_its_q(
         e = 40.0 if phase.start == 0 else 400.0
         assert abs(ratio[phase].mean() - 1.0) < 5 * np.sqrt(e) / e / np.sqrt(12) + 0.02
     phases = [(p["sampling_probability"], p["count"]) for p in model.privacy_report()["phases"]]
-    assert phases == [(40 / n, 12), (400 / n, 12)]
+    assert phases == [(exact_rate(40 / n), 12), (exact_rate(400 / n), 12)]
 
 
 def test_report_is_the_composition_of_the_phases_and_calibration_reaches_the_target():

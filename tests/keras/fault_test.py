@@ -27,6 +27,7 @@ from tf_dp.keras import BudgetJournal, make_private
 from tf_dp.keras.budget import PrivacyBudget
 from tf_dp.keras.budget_journal import FORMAT
 from tf_dp.optimizers import DPSGD
+from tf_dp.data.poisson import exact_rate
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
@@ -173,7 +174,8 @@ def test_the_journal_is_written_before_every_step_with_the_step_in_flight(tmp_pa
         spent = sum(p["count"] for p in record["budget"]["accountant"]["phases"])
         assert spent == step  # drained before the step
         assert record["in_flight"] == {"noise_multiplier": data.SIGMA,
-                                       "sampling_probability": 0.1, "num_projections": None,
+                                       "sampling_probability": exact_rate(0.1),
+                                       "num_projections": None,
                                        "count": 1}
     # after fit: settled, the whole record and nothing in flight
     final = json.loads(open(journal.path).read())

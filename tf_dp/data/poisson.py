@@ -138,7 +138,8 @@ class PoissonSampler:
                 raise ValueError(f"`expected_batch_size` must be > 0, got "
                                  f"{expected_batch_size}.")
             sampling_probability = expected_batch_size / n
-        sampling_probability = _validation.sampling_probability(sampling_probability)
+        requested = _validation.sampling_probability(sampling_probability)
+        sampling_probability = exact_rate(requested)
         if pad_to == "auto":
             pad_to = safe_pad_to(n, sampling_probability)
         elif pad_to is not None:
@@ -146,7 +147,8 @@ class PoissonSampler:
         self.dataset_size = n
         #: q (of the first phase, with a schedule).
         self.sampling_probability = float(sampling_probability)
-        self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sampling_probability))
+        # (from the q asked for: 1 / exact_rate(q) can fall on the other side of a .5)
+        self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / requested))
         self.pad_to = pad_to
         self.seed = _validation.seed(seed)
         if seed is not None:
@@ -182,7 +184,7 @@ class PoissonSampler:
         """q of every phase of the schedule (one entry without a schedule)."""
         if self.schedule is None:
             return (self.sampling_probability,)
-        return tuple(b / self.dataset_size for b in self.schedule.batch_sizes)
+        return tuple(exact_rate(b / self.dataset_size) for b in self.schedule.batch_sizes)
 
     @property
     def phase_batch_sizes(self) -> tuple:
@@ -213,7 +215,7 @@ class PoissonSampler:
                                                        static=pad_to is not None and pad_to >= n))
         else:
             boundaries = tf.constant(self.schedule.boundaries or [2**62], tf.int64)
-            qs = tf.constant(self.phase_probabilities, tf.float32)
+            qs = tf.constant(self.phase_probabilities, tf.float64)
             phase_of = lambda step: tf.cast(tf.searchsorted(
                 boundaries, tf.reshape(tf.cast(step, tf.int64), [1]), side="right")[0],
                 tf.int32)
@@ -311,8 +313,9 @@ class _ArraySource:
         """``(x, y, sample_weight)`` of one Poisson sample per element of ``steps``, at rate
         ``q_of(step)`` (and the step element appended with ``with_step``)."""
         def sample(step):
-            u = tf.random.stateless_uniform([self.size], seed=stream.next_seed())
-            rows = _take_rows(self._arrays, tf.where(u < q_of(step))[:, 0])
+            u = tf.random.stateless_uniform([self.size], seed=stream.next_seed(),
+                                            dtype=tf.float64)
+            rows = _take_rows(self._arrays, tf.where(u < tf.cast(q_of(step), tf.float64))[:, 0])
             return (*rows, step) if with_step else rows
 
         return steps.map(sample)
@@ -472,6 +475,26 @@ def _chunk_size(spec) -> int:
     return int(min(_MAX_CHUNK, max(1, _CHUNK_BYTES // max(1, nbytes))))
 
 
+#: TensorFlow's float64 uniforms are k / 2^52, k uniform on {0, ..., 2^52 - 1}
+#: (``tests/data/exact_rate_test.py`` pins it)
+_UNIFORM_BITS = 52
+
+
+def exact_rate(q: float) -> float:
+    """The sampling probability actually used for a requested ``q``: ``ceil(q 2^52) / 2^52``,
+    the smallest multiple of 2^-52 at or above q (exact in float64; at most 2^-52 above q).
+
+    An example is kept iff ``u < q`` for a float64 uniform u = k / 2^52: with q a multiple
+    m / 2^52 of the grid that happens for exactly m of the 2^52 values of k, so the
+    inclusion probability IS q, and the accountant, which reads this q, accounts exactly the
+    sampling that happens. (Before, u and q were float32: u = k / 2^23, and the inclusion
+    probability ceil(fl32(q) 2^23) / 2^23 exceeded the accounted q by up to 2^-23, e.g. by
+    1.7e-5 of it at q = 256 / 60000: a slightly optimistic epsilon.)
+    """
+    scale = 2.0 ** _UNIFORM_BITS
+    return min(1.0, math.ceil(float(q) * scale) / scale)
+
+
 def _one_pass(source, n, q, seed, chunk):
     """A dataset of one element: the elements of one pass over ``source`` that are kept,
     batched (possibly none of them).
@@ -491,8 +514,8 @@ def _one_pass(source, n, q, seed, chunk):
     def keep(c, rows):
         k = tf.shape(tf.nest.flatten(rows)[0])[0]
         u = tf.random.stateless_uniform([chunk], seed=tf.random.experimental.stateless_fold_in(
-            seed, c))
-        mask = u[:k] < q
+            seed, c), dtype=tf.float64)
+        mask = u[:k] < tf.cast(q, tf.float64)
         kept = tf.nest.map_structure(lambda r: tf.boolean_mask(r, mask), rows)
         return tf.cast(k, tf.int64), kept, False
 
