@@ -12,6 +12,8 @@ the cost):
             once for the cluster.
   validation  array inputs with validation_split: the history's validation metrics must be
             those of the final weights on the held-out rows, on every worker.
+  schedule  the noise problem with a batch-size schedule: step t's update is exactly
+            -z_t / (q_t N), q_t of its phase, and each phase is accounted at its own q.
 The result file gets the final weights and the worker's accountant record.
 """
 
@@ -68,7 +70,12 @@ def run(strategy, mode):
             model.set_weights([np.zeros(w.shape, np.float32) for w in model.weights])
             model.compile(optimizer=DPSGD(data.CLIP, data.SIGMA, learning_rate=1.0,
                                           seed=data.SEED), loss=data.zero_loss)
-        model.fit(x, y, batch_size=data.NOISE_BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+        if mode == "schedule":
+            model.fit(x, y, batch_size=data.SCHEDULE, epochs=1,
+                      steps_per_epoch=data.SCHEDULE_STEPS, verbose=0)
+        else:
+            model.fit(x, y, batch_size=data.NOISE_BATCH, epochs=1, steps_per_epoch=1,
+                      verbose=0)
     phases = [(p.noise_multiplier, p.sampling_probability, p.count)
               for p in model.accountant.phases]
     return {"weights": [w.tolist() for w in model.get_weights()], "phases": phases,
@@ -78,7 +85,8 @@ def run(strategy, mode):
 def main():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     assert strategy.num_replicas_in_sync == len(ports), strategy.num_replicas_in_sync
-    results = {mode: run(strategy, mode) for mode in ("declared", "noise", "validation")}
+    results = {mode: run(strategy, mode)
+               for mode in ("declared", "noise", "validation", "schedule")}
     with open(out, "w") as f:
         json.dump(results, f)
 

@@ -5,12 +5,15 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dp.optimizers import DPSGD
+from tf_dp.schedules import PiecewiseBatchSize
 
 N = 40          # examples of the `declared` problem
 Q = 0.25        # its declared sampling probability (expected logical batch 10)
 STEPS = 4
 CLIP, SIGMA, SEED = 1.0, 2.0, 11
 NOISE_N, NOISE_BATCH = 32, 8
+SCHEDULE_STEPS = 3
+SCHEDULE = PiecewiseBatchSize([1], [8, 16])  # q = 1/4 for step 0, then 1/2
 
 
 def regression():

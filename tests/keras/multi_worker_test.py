@@ -194,6 +194,26 @@ def test_workers_with_different_row_counts_are_refused(monkeypatch):
         dp_model._worker_shard_sampler(None, context, np.arange(60), None, None, 12, seed=None)
 
 
+def test_a_batch_size_schedule_divides_and_accounts_each_step_by_its_phase(cluster):
+    """Zero loss, seeded noise (test only), a schedule of q = 1/4 then 1/2 over the whole
+    data set (each worker samples its shard at those rates): after the steps both workers
+    hold exactly -sum_t z_t / (q_t N), and their accountants hold each phase at its own q
+    once."""
+    results = [worker["schedule"] for worker in cluster]
+    model = data.linear()
+    shapes = [(w.shape, tf.float32) for w in model.trainable_variables]
+    qs = [data.SCHEDULE(t) / data.NOISE_N for t in range(data.SCHEDULE_STEPS)]
+    want = [np.zeros(s, np.float32) for s, _ in shapes]
+    for t, q in enumerate(qs):
+        z = gaussian_noise(shapes, data.SIGMA * data.CLIP, seeded_draw(data.SEED, "noise", t))
+        want = [w - zi.numpy() / (q * data.NOISE_N) for w, zi in zip(want, z)]
+    for result in results:
+        assert result["iterations"] == data.SCHEDULE_STEPS
+        assert result["phases"] == [[data.SIGMA, 0.25, 1], [data.SIGMA, 0.5, 2]]
+        for got, w in zip(result["weights"], want):
+            np.testing.assert_allclose(np.asarray(got, np.float32), w, rtol=1e-5, atol=1e-7)
+
+
 def test_validation_metrics_are_those_of_the_whole_held_out_set_on_every_worker(cluster):
     """validation_split under MultiWorkerMirroredStrategy: each worker evaluates all of the
     held-out rows (the same batches on every replica), so the last epoch's val_loss and
@@ -234,8 +254,7 @@ def test_unsafe_multi_worker_inputs_are_refused():
         check(two, x, **{**ok, "poisson_sampling": False})
     with pytest.raises(ValueError, match="one replica per worker"):
         check(tf.distribute.InputContext(2, 0, 4), x, **ok)
-    with pytest.raises(ValueError, match="schedule"):
-        check(two, x, **{**ok, "schedule": object()})
+    check(two, x, **{**ok, "schedule": object()})  # each worker's shard at the phases' q
     check(two, x, **{**ok, "validation_split": 0.2})  # every worker evaluates all of it
     check(two, x, **{**ok, "validation_data": (x, x)})
     distributed = tf.distribute.MirroredStrategy(["/cpu:0"]).experimental_distribute_dataset(

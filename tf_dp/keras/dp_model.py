@@ -286,7 +286,8 @@ class DPTrainMixin:
                 else:
                     sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
                                                     sample_weight,
-                                                    (batch_size or 32) * k,
+                                                    schedule.scaled(k) if schedule is not None
+                                                    else (batch_size or 32) * k,
                                                     opt._next_sampler_seed())
         if sampler is not None:
             if sampler.seed is not None:
@@ -297,7 +298,8 @@ class DPTrainMixin:
             if workers is not None:
                 # Each worker samples its own shard at q: the union is one Poisson sample of
                 # the whole data set, whose expected size q * N divides the all-reduced sum.
-                expected = q * len(tf.nest.flatten(x)[0])
+                n = len(tf.nest.flatten(x)[0])
+                expected = tuple(p * n for p in q) if isinstance(q, tuple) else q * n
             data = sampler.dataset() if data is None else data
             fit_args = dict(x=data, shuffle=False,
                             steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch)
@@ -769,9 +771,6 @@ def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation
             f"{context.num_input_pipelines} workers and {context.num_replicas_in_sync} "
             "replicas. Give each worker one device (e.g. "
             "MultiWorkerMirroredStrategy() on CPU workers).")
-    if schedule is not None:
-        raise ValueError("A `batch_size` schedule is not supported under "
-                         "MultiWorkerMirroredStrategy yet; use a fixed `batch_size`.")
     if validation_data is not None and (
             isinstance(validation_data, tf.distribute.DistributedDataset)
             or hasattr(validation_data, "_input_contexts")):
@@ -821,7 +820,8 @@ def _on_every_worker(strategy, validation_data, batch_size):
 
 
 def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch, seed):
-    """This worker's PoissonSampler: its shard of the rows, at q = logical_batch / N."""
+    """This worker's PoissonSampler: its shard of the rows, at q = logical_batch / N (a
+    batch-size schedule: at each phase's size / N)."""
     from tf_dp.data.poisson import PoissonSampler
 
     n = len(tf.nest.flatten(x)[0])
@@ -837,10 +837,36 @@ def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch,
     shard = slice(context.input_pipeline_id, None, context.num_input_pipelines)
     take = lambda structure: (None if structure is None
                               else tf.nest.map_structure(lambda a: a[shard], structure))
+    if isinstance(logical_batch, PiecewiseBatchSize):
+        return _shard_sampler(take(x), take(y), take(sample_weight), logical_batch, n, seed)
     q = min(1.0, logical_batch / n)
     return PoissonSampler(take(x), take(y), sample_weight=take(sample_weight),
                           sampling_probability=q,
                           steps_per_epoch=max(1, round(1.0 / q)), seed=seed)
+
+
+def _shard_sampler(x, y, sample_weight, schedule, population, seed):
+    """A worker's shard sampled, step by step, at the WHOLE data set's rates of a batch-size
+    schedule, q_t = exact_rate(size_t / N) (the same on every worker, whatever its shard's
+    size), each batch with its phase (the same on every worker: it follows the step)."""
+    from tf_dp.data.poisson import PoissonSampler, exact_rate
+
+    too_big = [b for b in schedule.batch_sizes if b > population]
+    if too_big:
+        raise ValueError(f"`batch_size` schedule has sizes {too_big} above the number of "
+                         f"examples {population}.")
+    rates = tuple(exact_rate(b / population) for b in schedule.batch_sizes)
+
+    class ShardSampler(PoissonSampler):
+        @property
+        def phase_probabilities(self) -> tuple:
+            return rates
+
+    sampler = ShardSampler(x, y, sample_weight=sample_weight, sampling_probability=rates[0],
+                           steps_per_epoch=max(1, round(population / schedule.batch_sizes[0])),
+                           seed=seed)
+    sampler.schedule = schedule  # its dataset() then samples step t at rates[phase(t)]
+    return sampler
 
 
 def _max_and_min_over_workers(strategy, n):
