@@ -27,7 +27,8 @@ import tensorflow as tf  # noqa: E402
 from tests import _reference as ref  # noqa: E402
 from tf_dp.core import build_per_example_loss, clipped_sum, ghost  # noqa: E402
 from tf_dp.core.ghost import terms as terms_module  # noqa: E402
-from tf_dp.core.ghost.factors import FactorOptions, MaterialisedFactors  # noqa: E402
+from tf_dp.core.ghost.factors import (ChunkedFactors, FactorOptions,  # noqa: E402
+                                      MaterialisedFactors)
 from tf_dp.core.ghost.rules import conv  # noqa: E402
 
 L = keras.layers
@@ -122,8 +123,13 @@ def _kernel_factors(model, x, y, w, directions, kinds):
         total = tf.reduce_sum(LOSS(y, pred, None))
     kinds.append([type(t).__name__ for t in ctx.terms()[id(kernel)][1]])
     f = ghost.backward(ctx, tape, total, FactorOptions())[id(kernel)]
-    assert isinstance(f, MaterialisedFactors)
-    return f.per, f.sq, f.bound, f.weighted_sum(w), f.project(directions)
+    kinds.append(type(f).__name__)
+    if isinstance(f, ChunkedFactors):  # several chunks: kept as chunks, never concatenated
+        per = tf.reshape(f.chunks.concat(), (-1,) + tuple(kernel.shape))
+    else:
+        assert isinstance(f, MaterialisedFactors)
+        per = f.per
+    return per, f.sq, f.bound, f.weighted_sum(w), f.project(directions)
 
 
 @pytest.mark.parametrize("traced,chunk_examples", [
@@ -149,7 +155,7 @@ def test_chunked_kernel_gradients_match_float64_brute_force(path, name, chunk_ex
     chunks, grouped_calls = [], []
     in_chunks, grouped_fn = conv._in_chunks, conv._grouped_gradient
     monkeypatch.setattr(conv, "_in_chunks",
-                        lambda *a: chunks.append(a[3]) or in_chunks(*a))
+                        lambda *a, **kw: chunks.append(a[3]) or in_chunks(*a, **kw))
     monkeypatch.setattr(conv, "_grouped_gradient",
                         lambda *a: grouped_calls.append(1) or grouped_fn(*a))
     n = 7
@@ -169,6 +175,7 @@ def test_chunked_kernel_gradients_match_float64_brute_force(path, name, chunk_ex
                                               tf.TensorSpec([None, 2])])
     per, sq, bound, wsum, proj = [t.numpy() for t in fn(tf.constant(x), tf.constant(y))]
     assert kinds[0] == ["DirectTerm"]
+    assert kinds[1] == ("MaterialisedFactors" if chunk_examples >= n else "ChunkedFactors")
     assert bool(s2d_calls) == s2d
     assert bool(grouped_calls) == grouped
     assert chunks and set(chunks) == {chunk_examples}
@@ -277,6 +284,63 @@ def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(mo
     outer = [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
     assert not outer
     assert _function_ops(graph, "ExtractImagePatches")  # the chunks' own
+
+
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_the_chunks_are_never_concatenated(path, monkeypatch):
+    # Norms, bounds, projections and the weighted sum read the per-example gradients chunk
+    # by chunk (factors.ChunkedFactors): no (B, d, p) concatenation of them is in the step
+    # (it held a second copy of them all at the step's memory peak). Only (B,) norms and
+    # bounds are concatenated.
+    _use_path(monkeypatch, path)
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
+    keras.utils.set_random_seed(5)
+    model = _model("conv2d_wide_patches")
+    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    concats = [op for op in graph.get_operations() if op.type == "TensorListConcatV2"]
+    # (their shapes are unknown in the graph; the float32 per-example gradients would be the
+    # one float32 list, the norms and bounds are float64)
+    assert concats and all(op.get_attr("element_dtype") == tf.float64 for op in concats), [
+        (op.name, op.get_attr("element_dtype")) for op in concats]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_chunked_factors_are_the_materialised_factors_of_their_concatenation(exact):
+    # The same per-example gradients as chunks (2 + 2 + 1 examples, batch unknown when
+    # traced) and concatenated: equal norms and bounds (row by row), projections and
+    # weighted sum (to rounding: the chunks' sums are added), also with the JL options
+    # (no exact norms) and with an inf example of weight 0 dropped.
+    from tf_dp.core.ghost.factors import ChunkedFactors
+    from tf_dp.core.ghost.terms import PerExampleChunks
+
+    per = RNG.normal(size=(5, 6, 3)).astype(np.float32)
+    per[1] *= 1e6
+    per[3, 0, 0] = np.inf
+    w = np.array([0.5, 1e-6, 0.25, 0.0, 1.0], np.float32)
+    v = RNG.normal(size=(2, 6, 3)).astype(np.float32)
+    var = tf.Variable(tf.zeros((6, 3)))
+    options = FactorOptions(exact_norms=exact, drop_non_finite=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 3])] * 1)
+    def both(p):
+        parts = tf.TensorArray(tf.float32, size=3, infer_shape=False, clear_after_read=False,
+                               element_shape=tf.TensorShape([None, 6, 3]))
+        for i in range(3):
+            parts = parts.write(i, p[2 * i:2 * i + 2])
+        out = []
+        for f in (ChunkedFactors(var, PerExampleChunks(parts, tf.constant(3), 2), options),
+                  MaterialisedFactors(var, p, options)):
+            norms = [f.sq, f.bound] if exact else []
+            out.append(norms + [f.project(tf.constant(v)), f.weighted_sum(tf.constant(w))])
+        return out
+
+    chunked, whole = both(tf.constant(per))
+    for a, b in zip(chunked[:-2], whole[:-2]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # row by row: the same numbers
+    for a, b in zip(chunked[-2:], whole[-2:]):  # products: the same to rounding
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+    assert np.all(np.isfinite(chunked[-1].numpy()))
 
 
 def test_grouped_chunks_form_no_patches(monkeypatch):

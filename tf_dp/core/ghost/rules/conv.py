@@ -42,7 +42,8 @@ from tf_dp import _internals
 from tf_dp.core.ghost.factors import _use_ghost
 from tf_dp.core.ghost.registry import register_ghost_rule
 from tf_dp.core.ghost.rules._common import activation, covers
-from tf_dp.core.ghost.terms import _EYE_CONV_MAX_WIDTH, conv_patches, rows
+from tf_dp.core.ghost.terms import (_EYE_CONV_MAX_WIDTH, PerExampleChunks, conv_patches,
+                                   rows)
 
 _LOG = logging.getLogger("tf_dp")
 
@@ -163,7 +164,7 @@ def _conv(layer, ctx, inputs):
     if _direct_kernel_gradient(layer, x, z):
         ctx.direct(layer.kernel, z, _chunked_kernel_gradient(
             layer, x if channels_last else tf.transpose(x, perm), padding, dz_fn,
-            out_spatial=z.shape[1:-1] if channels_last else z.shape[2:]))
+            out_spatial=z.shape[1:-1] if channels_last else z.shape[2:], keep_chunks=True))
     else:
         ctx.outer(layer.kernel, z, a_fn, dz_fn)
     if layer.use_bias:
@@ -242,10 +243,12 @@ def _s2d_patches(x, kernel_size, strides, padding):
     return patches, columns
 
 
-def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None):
+def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None, keep_chunks=False):
     """``dz -> `` the per-example kernel gradients (B, *kernel.shape) of a Conv1D/Conv2D on
     the channels-last input ``x``, formed a chunk of examples at a time, so that only one
-    chunk's intermediates exist at once.
+    chunk's intermediates exist at once; with ``keep_chunks`` and more than one chunk, the
+    chunks themselves (``terms.PerExampleChunks``, read chunk by chunk by
+    ``factors.ChunkedFactors``: never concatenated).
 
     Two ways to form a chunk's gradients, the same numbers up to float rounding:
 
@@ -304,7 +307,9 @@ def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None):
         else:
             chunk = max(1, _CHUNK_BYTES // (steps * width * g.dtype.size))
         per = _in_chunks(grouped_chunk if grouped else patches_chunk, xg, g, chunk, width,
-                         layer.filters)
+                         layer.filters, keep_chunks=keep_chunks)
+        if isinstance(per, PerExampleChunks):
+            return per  # chunks (c_i, width, filters): the kernel's entries in its order
         return tf.reshape(per, (-1,) + kernel_shape)
 
     return grad_fn
@@ -388,7 +393,7 @@ def _probe_grouped(dtype) -> bool:
     return True
 
 
-def _in_chunks(fn, x, g, chunk, width, filters):
+def _in_chunks(fn, x, g, chunk, width, filters, keep_chunks=False):
     """``fn(x, g)`` (B, width, filters) over chunks of at most ``chunk`` examples, one after
     the other: n = ceil(B / chunk) chunks of c = ceil(B / n) examples, the last one shorter
     (the inputs are sliced, not copied whole). Works for an unknown batch and for B = 0.
@@ -396,7 +401,8 @@ def _in_chunks(fn, x, g, chunk, width, filters):
     A plain ``tf.while_loop`` writing each chunk into a TensorArray, concatenated at the
     end: ``tf.map_fn`` over chunk indices (a TensorArray of the indices, results padded to
     c rows, reshaped and sliced) took a third more graph ops and time to trace and optimise
-    (issue 14: the step's first call).
+    (issue 14: the step's first call). ``keep_chunks``: return the chunks as
+    ``terms.PerExampleChunks`` when there is a loop, not concatenated (no second copy).
     """
     batch = x.shape[0]
     if isinstance(batch, int) and batch <= chunk:
@@ -404,7 +410,8 @@ def _in_chunks(fn, x, g, chunk, width, filters):
     b = tf.shape(x)[0]
     n = (b + chunk - 1) // chunk
     c = (b + tf.maximum(n, 1) - 1) // tf.maximum(n, 1)
-    parts = tf.TensorArray(g.dtype, size=n, infer_shape=False,
+    # (read more than once: norms, weighted sum, projections)
+    parts = tf.TensorArray(g.dtype, size=n, infer_shape=False, clear_after_read=False,
                            element_shape=tf.TensorShape([None, width, filters]))
 
     def body(i, parts):
@@ -413,7 +420,7 @@ def _in_chunks(fn, x, g, chunk, width, filters):
 
     _, parts = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), parts),
                              parallel_iterations=1)
-    return parts.concat()
+    return PerExampleChunks(parts, n, c) if keep_chunks else parts.concat()
 
 
 # ------------------------------------------------------------- depthwise and separable
