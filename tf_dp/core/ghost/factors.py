@@ -68,13 +68,11 @@ class Factors:
         raise NotImplementedError
 
 
-class MaterialisedFactors(Factors):
-    """Per-example gradients ``per`` (B, ...) formed outright."""
+class _NormsOnRead(Factors):
+    """``sq`` and ``bound`` formed when first read (exact strategies only; see
+    combined_norms) by ``_form_norms()``."""
 
-    def __init__(self, variable, per, options: FactorOptions):
-        super().__init__(variable, options)
-        self.per = per
-        self._norms = None  # (sq, bound), formed when first read (see combined_norms)
+    _norms = None
 
     @property
     def sq(self):
@@ -88,8 +86,22 @@ class MaterialisedFactors(Factors):
         if not self.options.exact_norms:
             return None, None
         if self._norms is None:
-            self._norms = precision.materialised_norms(self.per)
+            self._norms = self._form_norms()
         return self._norms
+
+    def _form_norms(self):
+        raise NotImplementedError
+
+
+class MaterialisedFactors(_NormsOnRead):
+    """Per-example gradients ``per`` (B, ...) formed outright."""
+
+    def __init__(self, variable, per, options: FactorOptions):
+        super().__init__(variable, options)
+        self.per = per
+
+    def _form_norms(self):
+        return precision.materialised_norms(self.per)
 
     def dependencies(self):
         return [self.per]
@@ -105,7 +117,7 @@ class MaterialisedFactors(Factors):
         return tf.reshape(flat, self.variable.shape)
 
 
-class ChunkedFactors(Factors):
+class ChunkedFactors(_NormsOnRead):
     """Materialised per-example gradients kept as chunks (``terms.PerExampleChunks``): the
     same norms, bounds, projections and weighted sum as ``MaterialisedFactors`` on their
     concatenation, computed chunk by chunk (norms and bounds row by row, so the same
@@ -114,7 +126,6 @@ class ChunkedFactors(Factors):
     def __init__(self, variable, chunks: PerExampleChunks, options: FactorOptions):
         super().__init__(variable, options)
         self.chunks = chunks
-        self._norms = None
 
     def _rows(self, i):
         part = self.chunks.parts.read(i)
@@ -134,21 +145,9 @@ class ChunkedFactors(Factors):
                                 parallel_iterations=1)
         return [o.concat() for o in outs]
 
-    @property
-    def sq(self):
-        return self._own_norms()[0]
-
-    @property
-    def bound(self):
-        return self._own_norms()[1]
-
-    def _own_norms(self):
-        if not self.options.exact_norms:
-            return None, None
-        if self._norms is None:
-            self._norms = tuple(self._per_chunk(
-                lambda i, rows: precision.materialised_norms(rows), (tf.float64, tf.float64)))
-        return self._norms
+    def _form_norms(self):
+        return tuple(self._per_chunk(lambda i, rows: precision.materialised_norms(rows),
+                                     (tf.float64, tf.float64)))
 
     def dependencies(self):
         return [self.chunks.parts.flow]
