@@ -273,14 +273,20 @@ def _trace(model, shape):
     return fn.get_concrete_function().graph
 
 
+def _wide_patches_graph(monkeypatch, path):
+    """The traced clipped sum (batch unknown) of the 12x12-kernel case on ``path``, in
+    chunks of 64 KiB (several chunks per batch)."""
+    _use_path(monkeypatch, path)
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1 << 16)
+    keras.utils.set_random_seed(5)
+    return _trace(_model("conv2d_wide_patches"), CASES["conv2d_wide_patches"][0])
+
+
 def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(monkeypatch):
     # 12x12 patches of one channel (144 > 128 columns: tf.image.extract_patches): with the
     # batch unknown the patches exist only inside the loop over chunks.
-    _use_path(monkeypatch, "patches")
-    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
-    keras.utils.set_random_seed(5)
-    model = _model("conv2d_wide_patches")
-    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    graph = _wide_patches_graph(monkeypatch, "patches")
     outer = [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
     assert not outer
     assert _function_ops(graph, "ExtractImagePatches")  # the chunks' own
@@ -292,12 +298,7 @@ def test_the_chunks_are_never_concatenated(path, monkeypatch):
     # by chunk (factors.ChunkedFactors): no (B, d, p) concatenation of them is in the step
     # (it held a second copy of them all at the step's memory peak). Only (B,) norms and
     # bounds are concatenated.
-    _use_path(monkeypatch, path)
-    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1 << 16)
-    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1 << 16)
-    keras.utils.set_random_seed(5)
-    model = _model("conv2d_wide_patches")
-    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    graph = _wide_patches_graph(monkeypatch, path)
     concats = [op for op in graph.get_operations() if op.type == "TensorListConcatV2"]
     # (their shapes are unknown in the graph; the float32 per-example gradients would be the
     # one float32 list, the norms and bounds are float64)
@@ -346,11 +347,7 @@ def test_chunked_factors_are_the_materialised_factors_of_their_concatenation(exa
 def test_grouped_chunks_form_no_patches(monkeypatch):
     # The grouped path: one grouped filter gradient per chunk, inside the loop, and no
     # patches anywhere (oneDNN forms its own per chunk).
-    _use_path(monkeypatch, "grouped")
-    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1 << 16)
-    keras.utils.set_random_seed(5)
-    model = _model("conv2d_wide_patches")
-    graph = _trace(model, CASES["conv2d_wide_patches"][0])
+    graph = _wide_patches_graph(monkeypatch, "grouped")
     assert not [op for op in graph.get_operations() if op.type == "ExtractImagePatches"]
     # (the main graph also holds the tape's unused batch filter gradient: pruned at run time)
     assert len(_function_ops(graph, "Conv2DBackpropFilter")) == 1
