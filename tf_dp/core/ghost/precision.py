@@ -167,63 +167,80 @@ def _row_norm_bounds(x):
     row's q <= q' + n lam^2 <= q' + n lam. Hence
         q <= (s + 5 n lam) / (1 - gamma_n)          (the factor is taken as inf if gamma_n > 1/2)
     whenever s is finite: every operand is >= 0, so an overflow anywhere leaves s = inf.
+    s is read through TensorFlow's EuclideanNorm (the sum of squares and one square root r,
+    in one pass: no (B, T, n) tensor of squares), squared in float64: r = sqrt(s)(1 + delta),
+    so s <= r^2 / (1 - u)^2, and r^2 is exact in float64 for float32 r (for float64 r, one
+    more rounding): s <= (1 + gamma_3) fl(r^2) either way. XLA, which has no EuclideanNorm
+    kernel, sums the squares itself (fused, no tensor of squares either): s directly, which
+    the same factor covers.
     Independently, with m the largest |x_i| as read, ||x|| <= sqrt(n) max(m, lam); this one
     holds always (m is exact) and is the tighter one for rows whose squares overflow or
     flush. The result is the smaller of the two. Rows with a NaN give NaN.
 
     Both are evaluated in float64, each operation monotone on non-negative values with
     relative error <= 2^-53 and no underflow (every bound is 0 or >= 2^-1022): the factor
-    1 / (1 - gamma_n) is computed with 4 roundings' worth of error (two in gamma_n, amplified
-    by at most gamma_n / (1 - gamma_n) <= 1, one subtraction, one division), the argument of
-    the square root with 2 more, the square root halves that and adds one: the computed
-    bound is >= (1 - 2^-53)^4 times the exact expression (the max form: 2 roundings). The
-    caller compensates (``_gram_chunk``).
+    (1 + gamma_3) / (1 - gamma_n) is computed with 6 roundings' worth of error (two in each
+    gamma, amplified by at most gamma / (1 - gamma) <= 1, one subtraction, one division),
+    the argument of the square root with 2 more, the square root halves that and adds one:
+    the computed bound is >= (1 - 2^-53)^5 times the exact expression (the max form: 2
+    roundings). The caller compensates (``_l1_bound``).
     """
     if x.dtype not in (tf.float32, tf.float64):
         x = tf.cast(x, tf.float32)  # exact: float16 and bfloat16 values are float32 values
     dtype = x.dtype
     lam = 2.0**-126 if dtype == tf.float32 else 2.0**-1022
     n = x.shape[-1] if x.shape[-1] is not None else tf.shape(x)[-1]
-    s = tf.cast(tf.reduce_sum(tf.square(x), axis=-1), tf.float64)
-    top = tf.cast(tf.reduce_max(tf.abs(x), axis=-1), tf.float64)
+    if _internals.compiling_with_xla():
+        s = tf.cast(tf.reduce_sum(tf.square(x), axis=-1), tf.float64)
+        top = tf.cast(tf.reduce_max(tf.abs(x), axis=-1), tf.float64)
+    else:
+        r = tf.cast(tf.math.reduce_euclidean_norm(x, axis=-1), tf.float64)
+        s = r * r
+        # max |x_i| without a (B, T, n) tensor of absolute values.
+        top = tf.cast(tf.maximum(tf.reduce_max(x, axis=-1), -tf.reduce_min(x, axis=-1)),
+                      tf.float64)
     g = gamma(n, dtype)
+    root = 1.0 + gamma(3, dtype)
     if isinstance(n, int):
         widen = 1.0 / (1.0 - g) if g <= 0.5 else float("inf")
-        by_sum = tf.sqrt((s + 5.0 * n * lam) * widen)
+        by_sum = tf.sqrt((s * root + 5.0 * n * lam) * widen)
         by_max = math.sqrt(n) * tf.maximum(top, lam)
     else:
         small = g <= 0.5
         widen = tf.where(small, 1.0 / (1.0 - tf.where(small, g, 0.0)),
                          tf.constant(float("inf"), tf.float64))
         n64 = tf.cast(n, tf.float64)
-        by_sum = tf.sqrt((s + 5.0 * n64 * lam) * widen)
+        by_sum = tf.sqrt((s * root + 5.0 * n64 * lam) * widen)
         by_max = tf.sqrt(n64) * tf.maximum(top, lam)
     bound = tf.where(tf.math.is_finite(s), tf.minimum(by_sum, by_max), by_max)
     return tf.where(tf.math.is_nan(s), s, bound)
 
 
-def _gram_chunk(a, g):
-    """(sum((A A^T) * (G G^T)), upper bound of l1) per example of one chunk, (n,) float64.
-
-    Only this chunk's float64 copies of the factors exist while it runs."""
-    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
-    aa = tf.einsum("btd,bsd->bts", a64, a64)
-    gg = tf.einsum("btp,bsp->bts", g64, g64)
-    s = tf.reduce_sum(aa * gg, axis=[1, 2])
-    # l1 = sum_t ||a_t|| ||g_t|| <= sum_t A_t G_t, A_t and G_t the exact values of the row
-    # bounds, which _row_norm_bounds computes to within (1 - u)^4 each (u = 2^-53). With the
-    # product and the T - 1 additions, the computed sum is >= (1 - u)^(T + 8) sum_t A_t G_t,
-    # minus what flushes: a float64 result below 2^-1022 (float64 factors below ~1e-154 only)
-    # loses less than 2^-1022, at most 2T of them, each scaled later by at most
-    # (1 + gamma_T) <= 2: less than 4T 2^-1022 in all, which is added back (one rounding).
-    # The factor c = 1 + 2 gamma_{T+32} is computed with 3 roundings and applied with one: the
-    # result is >= (1 - u)^(T + 13) (1 + 2 gamma_{T+32}) l1 >= (1 - gamma_{T+13})
-    # (1 + 2 gamma_{T+32}) l1 >= l1.
+def _l1_bound(a, g):
+    """An upper bound of l1 = sum_t ||a_t|| ||g_t|| per example, (B,) float64, from float32
+    row norms of the whole batch (no float64 copy of a factor; (B, T) in float64)."""
+    # l1 <= sum_t A_t G_t, A_t and G_t the exact values of the row bounds, which
+    # _row_norm_bounds computes to within (1 - u)^5 each (u = 2^-53). With the product and
+    # the T - 1 additions, the computed sum is >= (1 - u)^(T + 10) sum_t A_t G_t, minus what
+    # flushes: a float64 result below 2^-1022 (float64 factors below ~1e-154 only) loses less
+    # than 2^-1022, at most 2T of them, each scaled later by at most (1 + gamma_T) <= 2: less
+    # than 4T 2^-1022 in all, which is added back (one rounding). The factor
+    # c = 1 + 2 gamma_{T+32} is computed with 3 roundings and applied with one: the result is
+    # >= (1 - u)^(T + 15) (1 + 2 gamma_{T+32}) l1 >= (1 - gamma_{T+15}) (1 + 2 gamma_{T+32})
+    # l1 >= l1.
     steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
     products = tf.reduce_sum(_row_norm_bounds(a) * _row_norm_bounds(g), axis=1)
     flushed = 4.0 * tf.cast(steps, tf.float64) * 2.0**-1022
-    l1 = (products + flushed) * (1.0 + 2.0 * gamma(steps + 32, tf.float64))
-    return s, l1
+    return (products + flushed) * (1.0 + 2.0 * gamma(steps + 32, tf.float64))
+
+
+def _gram_sums(a, g):
+    """sum((A A^T) * (G G^T)) per example of one chunk, (n,) float64: only this chunk's
+    float64 copies of the factors exist while it runs."""
+    a64, g64 = tf.cast(a, tf.float64), tf.cast(g, tf.float64)
+    aa = tf.einsum("btd,bsd->bts", a64, a64)
+    gg = tf.einsum("btp,bsp->bts", g64, g64)
+    return tf.reduce_sum(aa * gg, axis=[1, 2])
 
 
 def gram_norms(a, g):
@@ -234,7 +251,7 @@ def gram_norms(a, g):
     of every rounding error. The float64 Gram matrices are formed over chunks of examples
     (``_GRAM_CHUNK_BYTES`` each, one chunk at a time), so the float64 copies of the factors
     exist for one chunk, not for the whole batch; ``l1`` comes from float32 row norms with
-    their rounding bounded (``_row_norm_bounds``).
+    their rounding bounded (``_row_norm_bounds``), for the whole batch at once.
     """
     steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
     d = a.shape[2] if a.shape[2] is not None else tf.shape(a)[2]
@@ -242,9 +259,10 @@ def gram_norms(a, g):
     chunk = _gram_chunk_examples(steps, d, p)
     batch = a.shape[0]
     if batch is not None and isinstance(chunk, int) and batch <= chunk:
-        s, l1 = _gram_chunk(a, g)
+        s = _gram_sums(a, g)
     else:
-        s, l1 = _chunked(a, g, chunk)
+        s = _chunked(a, g, chunk)
+    l1 = _l1_bound(a, g)
     l1_sq = tf.square(l1)
     # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
     # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
@@ -257,26 +275,45 @@ def gram_norms(a, g):
 
 
 def _chunked(a, g, chunk):
-    """``_gram_chunk`` over the batch: floor(B / chunk) chunks of ``chunk`` examples in a
-    sequential loop (a static chunk shape; XLA compiles it), then the remaining B mod chunk
-    examples after the loop. Works for an unknown batch and for B = 0."""
+    """``_gram_sums`` over the batch, one chunk of at most ``chunk`` examples at a time in a
+    sequential loop. Works for an unknown batch and for B = 0.
+
+    The last chunk is the remaining B mod chunk examples, in the same loop (one loop body in
+    the graph: the step's first call instantiates and optimises every loop of every weight).
+    XLA needs static shapes: there, floor(B / chunk) chunks of ``chunk`` examples in the loop
+    and the rest after it."""
     batch = tf.shape(a)[0]
-    full = batch // chunk
-    buffers = (tf.zeros(tf.stack([full, chunk]), tf.float64),) * 2
+    if _internals.compiling_with_xla():
+        full = batch // chunk
+        buffer = tf.zeros(tf.stack([full, chunk]), tf.float64)
 
-    def body(i, s_buf, l1_buf):
+        def body(i, s_buf):
+            start = i * chunk
+            s_i = _gram_sums(tf.slice(a, tf.stack([start, 0, 0]), [chunk, -1, -1]),
+                             tf.slice(g, tf.stack([start, 0, 0]), [chunk, -1, -1]))
+            return i + 1, tf.tensor_scatter_nd_update(s_buf, [[i]], s_i[None])
+
+        _, s_buf = tf.while_loop(lambda i, _: i < full, body, (0, buffer),
+                                 parallel_iterations=1, maximum_iterations=full)
+        s_full = tf.reshape(s_buf, [-1])
+        with tf.control_dependencies([s_full]):  # one chunk's float64 copies at a time
+            s_rest = _gram_sums(a[full * chunk:], g[full * chunk:])
+        return tf.concat([s_full, s_rest], 0)
+
+    count = (batch + chunk - 1) // chunk
+
+    def body(i, s_buf):
         start = i * chunk
-        s_i, l1_i = _gram_chunk(tf.slice(a, tf.stack([start, 0, 0]), [chunk, -1, -1]),
-                                tf.slice(g, tf.stack([start, 0, 0]), [chunk, -1, -1]))
-        return (i + 1, tf.tensor_scatter_nd_update(s_buf, [[i]], s_i[None]),
-                tf.tensor_scatter_nd_update(l1_buf, [[i]], l1_i[None]))
+        size = tf.minimum(chunk, batch - start)
+        s_i = _gram_sums(tf.slice(a, tf.stack([start, 0, 0]), tf.stack([size, -1, -1])),
+                         tf.slice(g, tf.stack([start, 0, 0]), tf.stack([size, -1, -1])))
+        return i + 1, tf.tensor_scatter_nd_update(s_buf, tf.range(start, start + size)[:, None],
+                                                  s_i)
 
-    _, s_buf, l1_buf = tf.while_loop(lambda i, *_: i < full, body, (0,) + buffers,
-                                     parallel_iterations=1, maximum_iterations=full)
-    s_full, l1_full = tf.reshape(s_buf, [-1]), tf.reshape(l1_buf, [-1])
-    with tf.control_dependencies([s_full, l1_full]):  # one chunk's float64 copies at a time
-        s_rest, l1_rest = _gram_chunk(a[full * chunk:], g[full * chunk:])
-    return tf.concat([s_full, s_rest], 0), tf.concat([l1_full, l1_rest], 0)
+    _, s = tf.while_loop(lambda i, _: i < count, body,
+                         (0, tf.zeros(tf.reshape(batch, [1]), tf.float64)),
+                         parallel_iterations=1, maximum_iterations=count)
+    return s
 
 
 def exact_outer_norms(a, g, l1):
@@ -401,5 +438,7 @@ def weighted_per_example_sum(w, per, drop_non_finite=False):
     if drop_non_finite:
         per = drop_examples(per, w)
     if per.shape.rank == 2:
-        return tf.linalg.matvec(per, tf.cast(w, acc), transpose_a=True)
+        # (1, B) x (B, n): a 2-D MatMul whatever the shapes' static knowledge (matvec's
+        # product became a BatchMatMulV2 on chunks read from a TensorList, 4x slower).
+        return tf.matmul(tf.reshape(tf.cast(w, acc), [1, -1]), per)[0]
     return tf.tensordot(tf.cast(w, acc), per, axes=1)
