@@ -27,8 +27,7 @@ import tensorflow as tf  # noqa: E402
 from tests import _reference as ref  # noqa: E402
 from tf_dp.core import build_per_example_loss, clipped_sum, ghost  # noqa: E402
 from tf_dp.core.ghost import terms as terms_module  # noqa: E402
-from tf_dp.core.ghost.factors import (ChunkedFactors, FactorOptions,  # noqa: E402
-                                      MaterialisedFactors)
+from tf_dp.core.ghost.factors import FactorOptions, MaterialisedFactors  # noqa: E402
 from tf_dp.core.ghost.rules import conv  # noqa: E402
 
 L = keras.layers
@@ -124,12 +123,8 @@ def _kernel_factors(model, x, y, w, directions, kinds):
     kinds.append([type(t).__name__ for t in ctx.terms()[id(kernel)][1]])
     f = ghost.backward(ctx, tape, total, FactorOptions())[id(kernel)]
     kinds.append(type(f).__name__)
-    if isinstance(f, ChunkedFactors):  # several chunks: kept as chunks, never concatenated
-        per = tf.reshape(f.chunks.concat(), (-1,) + tuple(kernel.shape))
-    else:
-        assert isinstance(f, MaterialisedFactors)
-        per = f.per
-    return per, f.sq, f.bound, f.weighted_sum(w), f.project(directions)
+    assert isinstance(f, MaterialisedFactors)
+    return f.per, f.sq, f.bound, f.weighted_sum(w), f.project(directions)
 
 
 @pytest.mark.parametrize("traced,chunk_examples", [
@@ -175,7 +170,7 @@ def test_chunked_kernel_gradients_match_float64_brute_force(path, name, chunk_ex
                                               tf.TensorSpec([None, 2])])
     per, sq, bound, wsum, proj = [t.numpy() for t in fn(tf.constant(x), tf.constant(y))]
     assert kinds[0] == ["DirectTerm"]
-    assert kinds[1] == ("MaterialisedFactors" if chunk_examples >= n else "ChunkedFactors")
+    assert kinds[1] == "MaterialisedFactors"
     assert bool(s2d_calls) == s2d
     assert bool(grouped_calls) == grouped
     assert chunks and set(chunks) == {chunk_examples}
@@ -293,55 +288,76 @@ def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(mo
 
 
 @pytest.mark.parametrize("path", ["grouped", "patches"])
-def test_the_chunks_are_never_concatenated(path, monkeypatch):
-    # Norms, bounds, projections and the weighted sum read the per-example gradients chunk
-    # by chunk (factors.ChunkedFactors): no (B, d, p) concatenation of them is in the step
-    # (it held a second copy of them all at the step's memory peak). Only (B,) norms and
-    # bounds are concatenated.
+def test_the_chunks_are_written_into_one_buffer(path, monkeypatch):
+    # Each chunk's per-example gradients go into their rows of one (B, width, filters)
+    # buffer, in place (rules.conv._write_rows): no TensorList of them, no concatenation
+    # (chunks and their concatenated copy were both alive at the step's memory peak).
     graph = _wide_patches_graph(monkeypatch, path)
-    concats = [op for op in graph.get_operations() if op.type == "TensorListConcatV2"]
-    # (their shapes are unknown in the graph; the float32 per-example gradients would be the
-    # one float32 list, the norms and bounds are float64)
-    assert concats and all(op.get_attr("element_dtype") == tf.float64 for op in concats), [
-        (op.name, op.get_attr("element_dtype")) for op in concats]
+    lists = [op for op in graph.get_operations()
+             if op.type in ("TensorListConcatV2", "TensorListReserve")]
+    assert not lists, [op.name for op in lists]
+    assert len(_function_ops(graph, "InplaceUpdate")) == 1  # in the loop over chunks
+    empty = [op for op in graph.get_operations() if op.type == "Empty"]
+    assert len(empty) == 1
+    # allocated once the output gradient exists, not at the start of the step
+    assert any(name.startswith("gradient_tape/") for name in _ancestors(empty[0]))
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_chunked_factors_are_the_materialised_factors_of_their_concatenation(exact):
-    # The same per-example gradients as chunks (2 + 2 + 1 examples, batch unknown when
-    # traced) and concatenated: equal norms and bounds (row by row), projections and
-    # weighted sum (to rounding: the chunks' sums are added), also with the JL options
-    # (no exact norms) and with an inf example of weight 0 dropped.
-    from tf_dp.core.ghost.factors import ChunkedFactors
-    from tf_dp.core.ghost.terms import PerExampleChunks
+def _two_twin_convolutions():
+    """Two Conv2D layers with kernels of the same shape, fed the same input shape: their
+    buffers have equal shapes (a buffer merged with the other would swap gradients)."""
+    keras.utils.set_random_seed(8)
+    inp = keras.Input((9, 9, 2))
+    a = L.Conv2D(4, 3, strides=2, padding="same", activation="tanh")(inp)
+    b = L.Conv2D(4, 3, strides=2, padding="same", activation="tanh")(inp)
+    out = L.Dense(2)(L.Flatten()(L.Concatenate()([a, b])))
+    return keras.Model(inp, out)
 
-    per = RNG.normal(size=(5, 6, 3)).astype(np.float32)
-    per[1] *= 1e6
-    per[3, 0, 0] = np.inf
-    w = np.array([0.5, 1e-6, 0.25, 0.0, 1.0], np.float32)
-    v = RNG.normal(size=(2, 6, 3)).astype(np.float32)
-    var = tf.Variable(tf.zeros((6, 3)))
-    options = FactorOptions(exact_norms=exact, drop_non_finite=True)
 
-    @tf.function(input_signature=[tf.TensorSpec([None, 6, 3])] * 1)
-    def both(p):
-        parts = tf.TensorArray(tf.float32, size=3, infer_shape=False, clear_after_read=False,
-                               element_shape=tf.TensorShape([None, 6, 3]))
-        for i in range(3):
-            parts = parts.write(i, p[2 * i:2 * i + 2])
-        out = []
-        for f in (ChunkedFactors(var, PerExampleChunks(parts, tf.constant(3), 2), options),
-                  MaterialisedFactors(var, p, options)):
-            norms = [f.sq, f.bound] if exact else []
-            out.append(norms + [f.project(tf.constant(v)), f.weighted_sum(tf.constant(w))])
-        return out
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_in_place_buffers_of_twin_layers_and_of_successive_steps_stay_apart(path,
+                                                                           monkeypatch):
+    # The adversarial cases of an in-place buffer: two layers whose buffers have the same
+    # shape (merged, one layer's gradients would overwrite the other's), and the same
+    # traced step called again (a buffer reused across calls would overwrite the gradients
+    # the first call returned). Each kernel's per-example gradients are checked against
+    # float64 brute force, and the first call's result after the second call.
+    _use_path(monkeypatch, path)
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)  # one example per chunk
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1)
+    m32 = _two_twin_convolutions()
+    kernels = [m32.layers[1].kernel, m32.layers[2].kernel]
 
-    chunked, whole = both(tf.constant(per))
-    for a, b in zip(chunked[:-2], whole[:-2]):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())  # row by row: the same numbers
-    for a, b in zip(chunked[-2:], whole[-2:]):  # products: the same to rounding
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
-    assert np.all(np.isfinite(chunked[-1].numpy()))
+    @tf.function(input_signature=[tf.TensorSpec([None, 9, 9, 2]), tf.TensorSpec([None, 2])])
+    def per_example(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch([v.value for v in m32.trainable_variables])
+            with ghost.capture(ghost.capturable_layers(m32), tf.shape(x)[0], tape) as ctx:
+                pred = m32(x, training=True)
+            total = tf.reduce_sum(LOSS(y, pred, None))
+        f = ghost.backward(ctx, tape, total, FactorOptions())
+        return [f[id(k)].per for k in kernels]
+
+    def brute(x, y):
+        # one example at a time (the float32 model: agreement to float32 rounding)
+        return ref.per_example_gradients(m32, LOSS, x, y, variables=kernels)
+
+    x1, y1 = (RNG.normal(size=(5, 9, 9, 2)).astype(np.float32),
+              RNG.normal(size=(5, 2)).astype(np.float32))
+    x2, y2 = (RNG.normal(size=(5, 9, 9, 2)).astype(np.float32),
+              RNG.normal(size=(5, 2)).astype(np.float32))
+    first = per_example(tf.constant(x1), tf.constant(y1))
+    kept = [t.numpy().copy() for t in first]
+    second = per_example(tf.constant(x2), tf.constant(y2))
+    for got, want in zip(kept, brute(x1, y1)):
+        np.testing.assert_allclose(got.reshape(5, -1), want.reshape(5, -1), rtol=1e-4,
+                                   atol=1e-6)
+    for got, want in zip(second, brute(x2, y2)):
+        np.testing.assert_allclose(got.numpy().reshape(5, -1), want.reshape(5, -1),
+                                   rtol=1e-4, atol=1e-6)
+    for t, k in zip(first, kept):  # the first call's tensors were not written again
+        np.testing.assert_array_equal(t.numpy(), k)
+    assert not np.allclose(kept[0], second[0].numpy())
 
 
 def test_grouped_chunks_form_no_patches(monkeypatch):
@@ -447,17 +463,20 @@ def test_factors_of_weights_larger_than_their_output_gradient_wait_for_the_backw
     model = keras.Sequential([keras.Input((10, 10, 3)), L.Conv2D(8, 3, activation="tanh"),
                               L.Conv2D(16, 3, activation="tanh"), L.Flatten(), L.Dense(2)])
 
+    formed = []  # the names of the ops that form them (the returned tensors are copies
+    # that wait for every stateful op of the function, the buffers of per-example
+    # gradients included)
+
     @tf.function(input_signature=[tf.TensorSpec([None, 10, 10, 3]),
                                   tf.TensorSpec([None, 2])], autograph=False)
     def run(a, b):
         batch = _Batch(model, a, b, None, LOSS, model.trainable_variables, "error")
         by_id, _, _ = _ghost_pass(batch, FactorOptions())
-        out = []
         for v in (model.layers[1].kernel, model.layers[3].kernel, model.layers[1].bias):
             f = by_id[id(v)]
-            out.append([t for t in (getattr(f, "per", None), getattr(f, "g", None))
-                        if t is not None])
-        return out
+            formed.append([t.op.name for t in (getattr(f, "per", None), getattr(f, "g", None))
+                           if t is not None])
+        return a
 
     graph = run.get_concrete_function().graph
     # conv2's gradient with respect to its input, conv1's output (8, 8, 8); not the one
@@ -466,11 +485,39 @@ def test_factors_of_weights_larger_than_their_output_gradient_wait_for_the_backw
                   if op.type == "Conv2DBackpropInput"
                   and op.outputs[0].shape.as_list()[1:] == [8, 8, 8]]
     assert len(into_conv1) == 1, into_conv1
-    conv2_kernel, dense_kernel, conv2_bias = run.get_concrete_function().structured_outputs
-    for t in conv2_kernel + dense_kernel:
-        assert into_conv1[0] in _ancestors(t.op), t.name
+    conv2_kernel, dense_kernel, conv2_bias = [[graph.get_operation_by_name(n) for n in names]
+                                              for names in formed]
+    for op in conv2_kernel + dense_kernel:
+        assert into_conv1[0] in _ancestors(op), op.name
     # A small weight's (conv2's bias: 16 < 576) is formed as soon as its gradient exists.
-    assert conv2_bias and not any(into_conv1[0] in _ancestors(t.op) for t in conv2_bias)
+    assert conv2_bias and not any(into_conv1[0] in _ancestors(op) for op in conv2_bias)
+
+
+def test_a_later_layers_buffer_does_not_wait_for_an_earlier_layers_gradient():
+    # Buffers of per-example gradients are stateful ops (Empty), which tf.function runs in
+    # the order they were made. Two small direct-kernel convolutions (both formed as soon
+    # as their output gradient exists): the second's buffer must not wait for the first's
+    # output gradient (made by the second's Conv2DBackpropInput, late in the backward
+    # pass), as it would if the buffers were made in the forward order (ghost.backward
+    # forms the weights' factors last layer first).
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((12, 12, 1)),
+                              L.Conv2D(4, 3, padding="same", activation="tanh"),
+                              L.Conv2D(4, 3, padding="same", activation="tanh"),
+                              L.Flatten(), L.Dense(2)])
+    for layer, shape in ((model.layers[0], (1, 12, 12, 1)), (model.layers[1], (1, 12, 12, 4))):
+        z = layer(tf.zeros(shape))
+        assert conv._direct_kernel_gradient(layer, tf.zeros(shape), z)
+        assert layer.kernel.shape.num_elements() <= z.shape[1:].num_elements()  # not delayed
+    graph = _trace(model, (12, 12, 1))
+    empties = [op for op in graph.get_operations() if op.type == "Empty"]
+    assert len(empties) == 2
+    into_first = [op.name for op in graph.get_operations()
+                  if op.type == "Conv2DBackpropInput"
+                  and op.outputs[0].shape.as_list()[1:] == [12, 12, 4]]
+    assert len(into_first) == 1
+    waits = [into_first[0] in _ancestors(op) for op in empties]
+    assert sorted(waits) == [False, True], waits  # the first layer's own buffer waits
 
 
 if __name__ == "__main__":

@@ -77,14 +77,20 @@ def backward(ctx: GhostContext, tape: tf.GradientTape, total_loss,
             return tf.cast(dz, accumulation_dtype(dz.dtype))
         return dz_of
 
-    out = {}
-    for (key, (var, terms)), outside in zip(entries.items(), grads[len(zs):]):
+    formed = {}
+    # Last recorded weight first, i.e. in the order the backward pass reaches them: the
+    # buffers of per-example gradients (rules.conv._in_chunks) are stateful ops, which
+    # tf.function runs in the order they were made; made in the forward order, a later
+    # layer's buffer would wait for the output gradient of the first layer, the last one
+    # the backward pass forms (holding every output gradient until then).
+    for (key, (var, terms)), outside in reversed(list(zip(entries.items(),
+                                                          grads[len(zs):]))):
         if outside is not None or any(dz_map[id(t.z)] is None for t in terms):
             continue
         factors = factors_for(var, terms, dz_for(var), options)
         if factors is not None:
-            out[key] = factors
-    return out
+            formed[key] = factors
+    return {key: formed[key] for key in entries if key in formed}
 
 
 def _handle(variable):

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_dp.core.ghost import precision
 from tf_dp.core.ghost.precision import gamma
-from tf_dp.core.ghost.terms import EmbeddingTerm, OuterTerm, PerExampleChunks
+from tf_dp.core.ghost.terms import EmbeddingTerm, OuterTerm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,66 +115,6 @@ class MaterialisedFactors(_NormsOnRead):
         flat = precision.weighted_per_example_sum(
             w, precision.flat_per_example(self.per), self.options.drop_non_finite)
         return tf.reshape(flat, self.variable.shape)
-
-
-class ChunkedFactors(_NormsOnRead):
-    """Materialised per-example gradients kept as chunks (``terms.PerExampleChunks``): the
-    same norms, bounds, projections and weighted sum as ``MaterialisedFactors`` on their
-    concatenation, computed chunk by chunk (norms and bounds row by row, so the same
-    numbers; the weighted sum adds the chunks' sums), without that concatenated copy."""
-
-    def __init__(self, variable, chunks: PerExampleChunks, options: FactorOptions):
-        super().__init__(variable, options)
-        self.chunks = chunks
-
-    def _rows(self, i):
-        part = self.chunks.parts.read(i)
-        return precision.flat_per_example(part)
-
-    def _per_chunk(self, fn, dtypes):
-        """Concatenations over the chunks of ``fn(i, rows of chunk i)``'s outputs (one
-        (c_i, ...) tensor per dtype in ``dtypes``)."""
-        n = self.chunks.n
-        outs = tuple(tf.TensorArray(d, size=n, infer_shape=False) for d in dtypes)
-
-        def body(i, outs):
-            values = fn(i, self._rows(i))
-            return i + 1, tuple(o.write(i, v) for o, v in zip(outs, values))
-
-        _, outs = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), outs),
-                                parallel_iterations=1)
-        return [o.concat() for o in outs]
-
-    def _form_norms(self):
-        return tuple(self._per_chunk(lambda i, rows: precision.materialised_norms(rows),
-                                     (tf.float64, tf.float64)))
-
-    def dependencies(self):
-        return [self.chunks.parts.flow]
-
-    def project(self, directions):
-        r = directions.shape[0]
-        dtype = self.chunks.parts.dtype
-        v = tf.reshape(tf.cast(directions, dtype), [r, -1])
-        (proj,) = self._per_chunk(lambda i, rows: (tf.matmul(rows, v, transpose_b=True),),
-                                  (dtype,))
-        return tf.transpose(proj)
-
-    def weighted_sum(self, w):
-        c, n = self.chunks.c, self.chunks.n
-        acc = precision.accumulation_dtype(self.chunks.parts.dtype)
-        size = self.variable.shape.num_elements()
-
-        def body(i, total):
-            rows = self._rows(i)
-            wi = w[i * c:i * c + tf.shape(rows)[0]]
-            return i + 1, total + tf.reshape(precision.weighted_per_example_sum(
-                wi, rows, self.options.drop_non_finite), [size])
-
-        _, total = tf.while_loop(lambda i, _: i < n, body,
-                                 (tf.constant(0), tf.zeros([size], acc)),
-                                 parallel_iterations=1)
-        return tf.reshape(total, self.variable.shape)
 
 
 #: per-example gradients of at most this many entries may always be materialised for exact
@@ -397,14 +337,6 @@ def factors_for(variable, terms, dz_of, options: FactorOptions):
         p = t.per_example(dz)
         if p is None:
             return None
-        if isinstance(p, PerExampleChunks):
-            if len(terms) == 1 and options.exact_norms:
-                _formed_before_the_backward_goes_on(p.parts.flow, dzs, first)
-                return ChunkedFactors(variable, p, options)
-            # A weight several layers use (their sum, one tensor), or JL projections: the
-            # CNN's JL steps were 6-15 % slower with the projections taken chunk by chunk
-            # (docs/step_time.md, session 11), so they keep the concatenation.
-            p = p.concat()
         p = precision.flat_per_example(p)
         per = p if per is None else per + p
     _formed_before_the_backward_goes_on(per, dzs, first)

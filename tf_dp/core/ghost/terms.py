@@ -96,20 +96,6 @@ class EmbeddingTerm(Term):
         return None  # (B, vocabulary, width): left to the vectorized fallback
 
 
-class PerExampleChunks:
-    """Per-example gradients kept as the chunks they were formed in: ``parts``, a
-    TensorArray of ``n`` chunks of ``c`` examples (the last one shorter), each (c_i, ...) in
-    the variable's shape, examples in order. Concatenating them would hold a second copy of
-    them all at the step's memory peak (the tutorial CNN's conv2: 32 of 79 MiB at batch
-    1024, docs/scaling.md §7); ``factors.ChunkedFactors`` reads them chunk by chunk."""
-
-    def __init__(self, parts, n, c):
-        self.parts, self.n, self.c = parts, n, c
-
-    def concat(self):
-        return self.parts.concat()
-
-
 class DirectTerm(Term):
     """Per-example gradient computed directly from ``dz`` by ``grad_fn`` -> (B, ...)."""
 

@@ -42,7 +42,7 @@ from tf_dp import _internals
 from tf_dp.core.ghost.factors import _use_ghost
 from tf_dp.core.ghost.registry import register_ghost_rule
 from tf_dp.core.ghost.rules._common import activation, covers
-from tf_dp.core.ghost.terms import (_EYE_CONV_MAX_WIDTH, PerExampleChunks, conv_patches,
+from tf_dp.core.ghost.terms import (_EYE_CONV_MAX_WIDTH, conv_patches,
                                    rows)
 
 _LOG = logging.getLogger("tf_dp")
@@ -164,7 +164,7 @@ def _conv(layer, ctx, inputs):
     if _direct_kernel_gradient(layer, x, z):
         ctx.direct(layer.kernel, z, _chunked_kernel_gradient(
             layer, x if channels_last else tf.transpose(x, perm), padding, dz_fn,
-            out_spatial=z.shape[1:-1] if channels_last else z.shape[2:], keep_chunks=True))
+            out_spatial=z.shape[1:-1] if channels_last else z.shape[2:]))
     else:
         ctx.outer(layer.kernel, z, a_fn, dz_fn)
     if layer.use_bias:
@@ -243,12 +243,10 @@ def _s2d_patches(x, kernel_size, strides, padding):
     return patches, columns
 
 
-def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None, keep_chunks=False):
+def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None):
     """``dz -> `` the per-example kernel gradients (B, *kernel.shape) of a Conv1D/Conv2D on
     the channels-last input ``x``, formed a chunk of examples at a time, so that only one
-    chunk's intermediates exist at once; with ``keep_chunks`` and more than one chunk, the
-    chunks themselves (``terms.PerExampleChunks``, read chunk by chunk by
-    ``factors.ChunkedFactors``: never concatenated).
+    chunk's intermediates exist at once, into one buffer (``_in_chunks``).
 
     Two ways to form a chunk's gradients, the same numbers up to float rounding:
 
@@ -307,9 +305,7 @@ def _chunked_kernel_gradient(layer, x, padding, dz_fn, out_spatial=None, keep_ch
         else:
             chunk = max(1, _CHUNK_BYTES // (steps * width * g.dtype.size))
         per = _in_chunks(grouped_chunk if grouped else patches_chunk, xg, g, chunk, width,
-                         layer.filters, keep_chunks=keep_chunks)
-        if isinstance(per, PerExampleChunks):
-            return per  # chunks (c_i, width, filters): the kernel's entries in its order
+                         layer.filters)
         return tf.reshape(per, (-1,) + kernel_shape)
 
     return grad_fn
@@ -393,16 +389,19 @@ def _probe_grouped(dtype) -> bool:
     return True
 
 
-def _in_chunks(fn, x, g, chunk, width, filters, keep_chunks=False):
+def _in_chunks(fn, x, g, chunk, width, filters):
     """``fn(x, g)`` (B, width, filters) over chunks of at most ``chunk`` examples, one after
     the other: n = ceil(B / chunk) chunks of c = ceil(B / n) examples, the last one shorter
     (the inputs are sliced, not copied whole). Works for an unknown batch and for B = 0.
 
-    A plain ``tf.while_loop`` writing each chunk into a TensorArray, concatenated at the
-    end: ``tf.map_fn`` over chunk indices (a TensorArray of the indices, results padded to
-    c rows, reshaped and sliced) took a third more graph ops and time to trace and optimise
-    (issue 14: the step's first call). ``keep_chunks``: return the chunks as
-    ``terms.PerExampleChunks`` when there is a loop, not concatenated (no second copy).
+    A plain ``tf.while_loop`` (``tf.map_fn`` over chunk indices took a third more graph ops
+    and time to trace and optimise: issue 14, the step's first call) that writes each chunk
+    into its rows of ONE (B, width, filters) buffer, in place (``_write_rows``): the result
+    is that buffer, with no second copy. (Chunks kept in a TensorArray and concatenated held
+    both at the step's memory peak, the tutorial CNN's conv2: 32 of 79 MiB at batch 1024,
+    docs/scaling.md §7; reading the chunks one by one instead cost the JL steps 5-15 % in
+    loop overhead, docs/step_time.md session 11.) Under XLA, which has no in-place
+    update and plans its own buffers, a TensorArray concatenated at the end.
     """
     batch = x.shape[0]
     if isinstance(batch, int) and batch <= chunk:
@@ -410,17 +409,51 @@ def _in_chunks(fn, x, g, chunk, width, filters, keep_chunks=False):
     b = tf.shape(x)[0]
     n = (b + chunk - 1) // chunk
     c = (b + tf.maximum(n, 1) - 1) // tf.maximum(n, 1)
-    # (read more than once: norms, weighted sum, projections)
-    parts = tf.TensorArray(g.dtype, size=n, infer_shape=False, clear_after_read=False,
-                           element_shape=tf.TensorShape([None, width, filters]))
+    if _internals.compiling_with_xla():
+        parts = tf.TensorArray(g.dtype, size=n, infer_shape=False,
+                               element_shape=tf.TensorShape([None, width, filters]))
 
-    def body(i, parts):
+        def body(i, parts):
+            start = i * c
+            return i + 1, parts.write(i, fn(x[start:start + c], g[start:start + c]))
+
+        _, parts = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), parts),
+                                 parallel_iterations=1)
+        return parts.concat()
+
+    # n chunks of c examples each, one (c * width * filters) row per chunk: each chunk is
+    # written as one contiguous block; the last one is padded to c examples (at most n - 1
+    # rows beyond the batch, sliced off at the end: a prefix, which TensorFlow's slice
+    # returns as a view). Allocated once g exists (at the step's start it would be held
+    # through the backward pass).
+    block = width * filters
+    with tf.control_dependencies([g]):
+        out = tf.raw_ops.Empty(shape=tf.stack([n, c * block]), dtype=g.dtype)
+
+    def body(i, out):
         start = i * c
-        return i + 1, parts.write(i, fn(x[start:start + c], g[start:start + c]))
+        part = fn(x[start:start + c], g[start:start + c])
+        part = tf.pad(tf.reshape(part, [-1, block]), [[0, c - tf.shape(part)[0]], [0, 0]])
+        return i + 1, _write_block(out, i, tf.reshape(part, [1, c * block]))
 
-    _, parts = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), parts),
-                             parallel_iterations=1)
-    return PerExampleChunks(parts, n, c) if keep_chunks else parts.concat()
+    _, out = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), out),
+                           parallel_iterations=1)
+    return tf.reshape(out, [-1, width, filters])[:b]
+
+
+def _write_block(buffer, i, block):
+    """``buffer`` with its row ``i`` set to ``block`` (1, m), IN PLACE.
+
+    ``InplaceUpdate`` writes into its input's memory and returns it (TensorFlow's kernel
+    aliases them: the Python wrapper ``inplace_update`` copies first; this does not). Sound
+    only for a buffer nothing else reads before the last write: here, an ``Empty`` made for
+    one loop (a stateful op, never merged with another by Grappler or constant-folded), every
+    row written by exactly one iteration, read after the loop only. Row i holds the examples
+    i * c .. i * c + c - 1 of the batch, in order, so example j's gradient is the j-th of
+    the flattened buffer (tests/core/conv_memory_test.py pins it against brute force, two
+    layers of the same kernel shape in one model and successive calls included).
+    """
+    return tf.raw_ops.InplaceUpdate(x=buffer, i=tf.reshape(i, [1]), v=block)
 
 
 # ------------------------------------------------------------- depthwise and separable
