@@ -194,5 +194,36 @@ def test_outer_factors_bound_with_chunked_gram_norms(monkeypatch):
                                atol=1e-30)
 
 
+def test_ill_conditioned_examples_get_their_own_exact_norms_traced():
+    # Several near-cancelling examples at scattered positions (batch unknown, traced): each
+    # gets the norm of its own float64 matrix (precision.exact_outer_norms, on the gathered
+    # examples), the others the Gram form's; every bound above the exact norm.
+    steps, d, p = 4, 64, 64
+    a, g = _factors(9, steps, d, p)
+    for i, eps in ((1, 2**-18), (4, 2**-16), (8, 2**-20)):
+        a[i, 1], g[i, 1] = a[i, 0], -g[i, 0] * np.float32(1 + eps)
+        a[i, 2:], g[i, 2:] = 0.0, 0.0
+    assert _use_ghost(tf.constant(a), tf.constant(g))
+
+    class V:
+        shape = (d, p)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, steps, d]),
+                                  tf.TensorSpec([None, steps, p])])
+    def norms(x, y):
+        f = OuterFactors(V(), x, y, FactorOptions())
+        return f.sq, f.bound, f.wide
+
+    sq, bound, wide = (t.numpy() for t in norms(tf.constant(a), tf.constant(g)))
+    assert sorted(np.flatnonzero(wide)) == [1, 4, 8]
+    true_sq, _ = _exact(a, g)
+    assert np.all(bound >= np.sqrt(true_sq))
+    np.testing.assert_allclose(sq, true_sq.astype(np.float64), rtol=1e-6, atol=1e-30)
+    # the exact norms are what make the cancelling ones accurate to 1e-6: the Gram form
+    # is off by more (6e-6 and 2e-4 of them here)
+    gram_sq, _, _ = precision.gram_norms(tf.constant(a), tf.constant(g))
+    assert np.all(np.abs(gram_sq.numpy()[[1, 8]] - true_sq[[1, 8]]) > 2e-6 * true_sq[[1, 8]])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
