@@ -27,6 +27,11 @@ import tensorflow as tf
 from tf_dp import _internals
 
 
+def _dim(t, i):
+    """``t``'s dimension ``i``: a Python int when static, else a scalar tensor."""
+    return t.shape[i] if t.shape[i] is not None else tf.shape(t)[i]
+
+
 def flat_per_example(t):
     """(B, ...) -> (B, n), with n static whenever t's non-batch shape is (a -1 would lose it
     when the batch is unknown)."""
@@ -230,7 +235,7 @@ def _l1_bound(a, g):
     # l1 >= l1.
     steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
     products = tf.reduce_sum(_row_norm_bounds(a) * _row_norm_bounds(g), axis=1)
-    flushed = 4.0 * tf.cast(steps, tf.float64) * 2.0**-1022
+    flushed = 4.0 * (steps if isinstance(steps, int) else tf.cast(steps, tf.float64)) * 2.0**-1022
     return (products + flushed) * (1.0 + 2.0 * gamma(steps + 32, tf.float64))
 
 
@@ -253,9 +258,7 @@ def gram_norms(a, g):
     exist for one chunk, not for the whole batch; ``l1`` comes from float32 row norms with
     their rounding bounded (``_row_norm_bounds``), for the whole batch at once.
     """
-    steps = a.shape[1] if a.shape[1] is not None else tf.shape(a)[1]
-    d = a.shape[2] if a.shape[2] is not None else tf.shape(a)[2]
-    p = g.shape[2] if g.shape[2] is not None else tf.shape(g)[2]
+    steps, d, p = _dim(a, 1), _dim(a, 2), _dim(g, 2)
     chunk = _gram_chunk_examples(steps, d, p)
     batch = a.shape[0]
     if batch is not None and isinstance(chunk, int) and batch <= chunk:
@@ -267,8 +270,8 @@ def gram_norms(a, g):
     # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
     # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
     # ||g_t|| ||g_s|| <= gamma l1^2 (l1 bounds the exact sum); the rest covers l1^2's rounding.
-    t = tf.shape(a)[1]
-    rel = gamma(tf.shape(a)[2] + tf.shape(g)[2] + t * t + t + 8, tf.float64)
+    # (Python numbers when the shapes are static: no graph ops for the bound's constants.)
+    rel = gamma(d + p + steps * steps + steps + 8, tf.float64)
     sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
     upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
     return sq, upper, l1
@@ -328,9 +331,9 @@ def exact_outer_norms(a, g, l1):
         return tf.reduce_sum(tf.square(per))
 
     sq = tf.map_fn(one, (a, g), fn_output_signature=tf.float64, parallel_iterations=1)
-    size = tf.shape(a)[2] * tf.shape(g)[2]
+    size = _dim(a, 2) * _dim(g, 2)
     bound = (tf.sqrt(sq) * (1.0 + gamma(size + 2, tf.float64))
-             + gamma(tf.shape(a)[1], tf.float64) * l1)
+             + gamma(_dim(a, 1), tf.float64) * l1)
     return sq, bound
 
 
