@@ -225,5 +225,122 @@ def test_ill_conditioned_examples_get_their_own_exact_norms_traced():
     assert np.all(np.abs(gram_sq.numpy()[[1, 8]] - true_sq[[1, 8]]) > 2e-6 * true_sq[[1, 8]])
 
 
+class _Var:
+    def __init__(self, d, p):
+        self.shape = (d, p)
+
+
+# (steps, d, p) of three weights of one step: different chunk sizes
+_JOINT_SHAPES = [(4, 64, 48), (4, 96, 64), (3, 80, 64)]
+
+
+@pytest.mark.parametrize("batch", [0, 1, 7, 10])
+def test_joint_gram_norms_are_each_weights_own(monkeypatch, batch):
+    # One loop for every weight (chunks of the smallest chunk size, here 2 of 3 and 5
+    # examples), batch unknown: per weight, the numbers of gram_norms alone (one chunk).
+    pairs = [_factors(batch, t, d, p) for t, d, p in _JOINT_SHAPES]
+    alone = [precision.gram_norms(tf.constant(a), tf.constant(g)) for a, g in pairs]
+    sizes = {(t, d, p): c for (t, d, p), c in zip(_JOINT_SHAPES, (3, 2, 5))}
+    monkeypatch.setattr(precision, "_gram_chunk_examples", lambda t, d, p: sizes[(t, d, p)])
+    spec = [tf.TensorSpec([None, t, d]) for t, d, _ in _JOINT_SHAPES] + [
+        tf.TensorSpec([None, t, p]) for t, _, p in _JOINT_SHAPES]
+
+    @tf.function(input_signature=spec)
+    def joint(*args):
+        k = len(_JOINT_SHAPES)
+        return precision.joint_gram_norms(list(zip(args[:k], args[k:])))
+
+    got = joint(*[tf.constant(a) for a, _ in pairs], *[tf.constant(g) for _, g in pairs])
+    graph = joint.get_concrete_function().graph
+    assert [op.type for op in graph.get_operations()].count("StatelessWhile") == 1
+    for (a, g), want, out in zip(pairs, alone, got):
+        for x, y in zip(want, out):
+            assert y.shape == (batch,)
+            np.testing.assert_allclose(y.numpy(), x.numpy(), rtol=1e-14, atol=0)
+        _check_bounds(a, g, out)
+
+
+def test_joint_gram_sums_form_one_weight_after_the_other():
+    # Inside the loop, each weight's float64 copies are made after the previous weight's
+    # sums exist (one weight's copies of one chunk at a time).
+    out = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 4])] * 3)
+    def run(x, y, z):
+        out.extend(precision._in_order([lambda v=v: precision._gram_sums(v, v)
+                                        for v in (x, y, z)]))
+        return out[-1]
+
+    graph = run.get_concrete_function().graph
+    ops = [graph.get_operation_by_name(t.op.name) for t in out]
+    casts = [[o for o in graph.get_operations() if o.type == "Cast"
+              and o.inputs[0].op.type == "Placeholder" and o.inputs[0].op.name == n]
+             for n in ("x", "y", "z")]
+    for k in (1, 2):
+        assert all(ops[k - 1] in ref_ancestors(c) for c in casts[k]), k
+    assert not any(ops[1] in ref_ancestors(c) for c in casts[0])
+
+
+def ref_ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        cur = stack.pop()
+        for parent in [t.op for t in cur.inputs] + list(cur.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_joint_exact_norms_of_ill_conditioned_examples_across_weights():
+    # Three weights read together (combined_norms: one Gram loop and one loop over the
+    # ill-conditioned examples for all), with 0, 1 and 3 near-cancelling examples: each
+    # example's norm is its own float64 matrix's, every bound above the exact norm, each
+    # weight's numbers those of the weight read alone.
+    from tf_dp.core.ghost.factors import combined_norms
+
+    batch = 8
+    pairs = [_factors(batch, t, d, p) for t, d, p in _JOINT_SHAPES]
+    for k, bad in ((1, [5]), (2, [0, 3, 7])):
+        a, g = pairs[k]
+        for i in bad:
+            a[i, 1], g[i, 1] = a[i, 0], -g[i, 0] * np.float32(1 + 2**-18)
+            a[i, 2:], g[i, 2:] = 0.0, 0.0
+    for a, g in pairs:
+        assert _use_ghost(tf.constant(a), tf.constant(g))
+    spec = [tf.TensorSpec([None, t, d]) for t, d, _ in _JOINT_SHAPES] + [
+        tf.TensorSpec([None, t, p]) for t, _, p in _JOINT_SHAPES]
+    k = len(_JOINT_SHAPES)
+
+    def factors(args):
+        return [OuterFactors(_Var(d, p), x, y, FactorOptions())
+                for (_, d, p), x, y in zip(_JOINT_SHAPES, args[:k], args[k:])]
+
+    @tf.function(input_signature=spec)
+    def together(*args):
+        fs = factors(args)
+        combined_norms(fs, args[0][:, 0, 0])
+        return [(f.sq, f.bound, f.wide) for f in fs]
+
+    @tf.function(input_signature=spec)
+    def alone(*args):
+        return [(f.sq, f.bound, f.wide) for f in factors(args)]  # each formed on its own
+
+    inputs = [tf.constant(a) for a, _ in pairs] + [tf.constant(g) for _, g in pairs]
+    got, want = together(*inputs), alone(*inputs)
+    loops = [op.type for op in together.get_concrete_function().graph.get_operations()]
+    assert loops.count("StatelessWhile") == 2, loops.count("StatelessWhile")
+    for (a, g), (sq, bound, wide), (sq1, bound1, wide1), bad in zip(pairs, got, want,
+                                                                     ([], [5], [0, 3, 7])):
+        assert sorted(np.flatnonzero(wide.numpy())) == bad
+        true_sq, _ = _exact(a, g)
+        assert np.all(bound.numpy() >= np.sqrt(true_sq))
+        np.testing.assert_allclose(sq.numpy(), true_sq.astype(np.float64), rtol=1e-6,
+                                   atol=1e-30)
+        np.testing.assert_array_equal(sq.numpy(), sq1.numpy())
+        np.testing.assert_array_equal(bound.numpy(), bound1.numpy())
+        np.testing.assert_array_equal(wide.numpy(), wide1.numpy())
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -257,66 +257,101 @@ def gram_norms(a, g):
     (``_GRAM_CHUNK_BYTES`` each, one chunk at a time), so the float64 copies of the factors
     exist for one chunk, not for the whole batch; ``l1`` comes from float32 row norms with
     their rounding bounded (``_row_norm_bounds``), for the whole batch at once.
+    ``joint_gram_norms`` does the same for several weights in one loop.
     """
-    steps, d, p = _dim(a, 1), _dim(a, 2), _dim(g, 2)
-    chunk = _gram_chunk_examples(steps, d, p)
-    batch = a.shape[0]
+    return joint_gram_norms([(a, g)])[0]
+
+
+def joint_gram_norms(pairs):
+    """``gram_norms`` of every (a, g) in ``pairs``: one loop over chunks of examples for all
+    of them (a loop per weight was ~0.1 s each of the step's first call: 24 of them in the
+    11.4M Transformer), the weights one after the other inside it (control dependencies:
+    one weight's float64 copies of one chunk at a time), chunks of the smallest of their
+    ``_gram_chunk_examples``. Per example, the same numbers as one weight alone."""
+    if not pairs:
+        return []
+    dims = [(_dim(a, 1), _dim(a, 2), _dim(g, 2)) for a, g in pairs]
+    chunks = [_gram_chunk_examples(*d) for d in dims]
+    chunk = (min(chunks) if all(isinstance(c, int) for c in chunks)
+             else tf.reduce_min(tf.stack([tf.cast(c, tf.int32) for c in chunks])))
+    batch = pairs[0][0].shape[0]
     if batch is not None and isinstance(chunk, int) and batch <= chunk:
-        s = _gram_sums(a, g)
+        sums = _in_order([lambda a=a, g=g: _gram_sums(a, g) for a, g in pairs])
     else:
-        s = _chunked(a, g, chunk)
-    l1 = _l1_bound(a, g)
-    l1_sq = tf.square(l1)
-    # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||), the
-    # T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t|| ||a_s||
-    # ||g_t|| ||g_s|| <= gamma l1^2 (l1 bounds the exact sum); the rest covers l1^2's rounding.
-    # (Python numbers when the shapes are static: no graph ops for the bound's constants.)
-    rel = gamma(d + p + steps * steps + steps + 8, tf.float64)
-    sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
-    upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
-    return sq, upper, l1
+        sums = _chunked(pairs, chunk)
+    out = []
+    for (a, g), (steps, d, p), s in zip(pairs, dims, sums):
+        l1 = _l1_bound(a, g)
+        l1_sq = tf.square(l1)
+        # Each Gram entry is off by gamma_d (gamma_p) times ||a_t|| ||a_s|| (||g_t|| ||g_s||),
+        # the T^2 products are summed: the error is at most gamma_{d+p+T^2+2} sum_ts ||a_t||
+        # ||a_s|| ||g_t|| ||g_s|| <= gamma l1^2 (l1 bounds the exact sum); the rest covers
+        # l1^2's rounding. (Python numbers when the shapes are static: no graph ops.)
+        rel = gamma(d + p + steps * steps + steps + 8, tf.float64)
+        sq = tf.clip_by_value(s, tf.zeros_like(s), l1_sq)
+        upper = tf.minimum(tf.maximum(s, 0.0) + 2.0 * rel * l1_sq, (1.0 + 3.0 * rel) * l1_sq)
+        out.append((sq, upper, l1))
+    return out
 
 
-def _chunked(a, g, chunk):
-    """``_gram_sums`` over the batch, one chunk of at most ``chunk`` examples at a time in a
-    sequential loop. Works for an unknown batch and for B = 0.
+def _in_order(fns):
+    """``[fn() for fn in fns]``, each formed after the previous one's result exists (so the
+    temporaries of one are freed before the next one's are made)."""
+    out = []
+    for fn in fns:
+        with tf.control_dependencies(out[-1:]):
+            out.append(fn())
+    return out
+
+
+def _chunked(pairs, chunk):
+    """``_gram_sums`` of every pair over the batch, one chunk of at most ``chunk`` examples
+    at a time in ONE sequential loop. Works for an unknown batch and for B = 0.
 
     The last chunk is the remaining B mod chunk examples, in the same loop (one loop body in
-    the graph: the step's first call instantiates and optimises every loop of every weight).
-    XLA needs static shapes: there, floor(B / chunk) chunks of ``chunk`` examples in the loop
-    and the rest after it."""
-    batch = tf.shape(a)[0]
+    the graph: the step's first call instantiates and optimises every loop). XLA needs
+    static shapes: there, floor(B / chunk) chunks of ``chunk`` examples in the loop and the
+    rest after it."""
+    batch = tf.shape(pairs[0][0])[0]
+    k = len(pairs)
+
+    def sums_of(start, size):
+        return _in_order([
+            lambda a=a, g=g: _gram_sums(tf.slice(a, tf.stack([start, 0, 0]), size),
+                                        tf.slice(g, tf.stack([start, 0, 0]), size))
+            for a, g in pairs])
+
     if _internals.compiling_with_xla():
         full = batch // chunk
-        buffer = tf.zeros(tf.stack([full, chunk]), tf.float64)
 
-        def body(i, s_buf):
-            start = i * chunk
-            s_i = _gram_sums(tf.slice(a, tf.stack([start, 0, 0]), [chunk, -1, -1]),
-                             tf.slice(g, tf.stack([start, 0, 0]), [chunk, -1, -1]))
-            return i + 1, tf.tensor_scatter_nd_update(s_buf, [[i]], s_i[None])
+        def body(i, bufs):
+            parts = sums_of(i * chunk, [chunk, -1, -1])
+            return i + 1, tuple(tf.tensor_scatter_nd_update(b, [[i]], s[None])
+                                for b, s in zip(bufs, parts))
 
-        _, s_buf = tf.while_loop(lambda i, _: i < full, body, (0, buffer),
-                                 parallel_iterations=1, maximum_iterations=full)
-        s_full = tf.reshape(s_buf, [-1])
-        with tf.control_dependencies([s_full]):  # one chunk's float64 copies at a time
-            s_rest = _gram_sums(a[full * chunk:], g[full * chunk:])
-        return tf.concat([s_full, s_rest], 0)
+        _, bufs = tf.while_loop(lambda i, _: i < full, body,
+                                (0, (tf.zeros(tf.stack([full, chunk]), tf.float64),) * k),
+                                parallel_iterations=1, maximum_iterations=full)
+        done = [tf.reshape(b, [-1]) for b in bufs]
+        with tf.control_dependencies(done):  # one chunk's float64 copies at a time
+            rest = _in_order([lambda a=a, g=g: _gram_sums(a[full * chunk:], g[full * chunk:])
+                              for a, g in pairs])
+        return [tf.concat([x, y], 0) for x, y in zip(done, rest)]
 
     count = (batch + chunk - 1) // chunk
 
-    def body(i, s_buf):
+    def body(i, bufs):
         start = i * chunk
         size = tf.minimum(chunk, batch - start)
-        s_i = _gram_sums(tf.slice(a, tf.stack([start, 0, 0]), tf.stack([size, -1, -1])),
-                         tf.slice(g, tf.stack([start, 0, 0]), tf.stack([size, -1, -1])))
-        return i + 1, tf.tensor_scatter_nd_update(s_buf, tf.range(start, start + size)[:, None],
-                                                  s_i)
+        rows = tf.range(start, start + size)[:, None]
+        parts = sums_of(start, tf.stack([size, -1, -1]))
+        return i + 1, tuple(tf.tensor_scatter_nd_update(b, rows, s)
+                            for b, s in zip(bufs, parts))
 
-    _, s = tf.while_loop(lambda i, _: i < count, body,
-                         (0, tf.zeros(tf.reshape(batch, [1]), tf.float64)),
-                         parallel_iterations=1, maximum_iterations=count)
-    return s
+    _, bufs = tf.while_loop(lambda i, _: i < count, body,
+                            (0, (tf.zeros(tf.reshape(batch, [1]), tf.float64),) * k),
+                            parallel_iterations=1, maximum_iterations=count)
+    return list(bufs)
 
 
 def exact_outer_norms(a, g, l1):
@@ -325,16 +360,50 @@ def exact_outer_norms(a, g, l1):
 
     The matrix is off by at most gamma_T l1 (float64), its sum of squares by gamma_{dp}.
     """
-    def one(args):
-        a_i, g_i = args
-        per = tf.matmul(tf.cast(a_i, tf.float64), tf.cast(g_i, tf.float64), transpose_a=True)
-        return tf.reduce_sum(tf.square(per))
+    return joint_exact_outer_norms([(a, g, l1, tf.range(tf.shape(a)[0]))])[0]
 
-    sq = tf.map_fn(one, (a, g), fn_output_signature=tf.float64, parallel_iterations=1)
-    size = _dim(a, 2) * _dim(g, 2)
-    bound = (tf.sqrt(sq) * (1.0 + gamma(size + 2, tf.float64))
-             + gamma(_dim(a, 1), tf.float64) * l1)
-    return sq, bound
+
+def joint_exact_outer_norms(items):
+    """``exact_outer_norms`` of the examples ``rows`` (n_k,) of each (a, g, l1, rows) in
+    ``items``: ONE loop over k < max n_k for all of them, where each weight forms the float64
+    matrix of its k-th example one after the other (one d x p matrix at a time); a weight
+    with fewer examples takes an empty slice (no work) in the remaining iterations.
+    Returns [(squared norms (n_k,), bounds (n_k,))]."""
+    if not items:
+        return []
+    counts = [tf.shape(rows)[0] for _, _, _, rows in items]
+    longest = tf.reduce_max(tf.stack(counts))
+
+    def body(k, bufs):
+        out, last = [], []
+        for (a, g, _, rows), n, buf in zip(items, counts, bufs):
+            valid = k < n
+            j = tf.minimum(k, n)  # n: the spare slot of the buffer
+            i = tf.gather(tf.concat([tf.cast(rows, tf.int32), [0]], 0), j)
+            with tf.control_dependencies(last):
+                # an example beyond this weight's n: a zero-width slice (no work)
+                width = tf.where(valid, tf.shape(a)[2], 0)
+                a_i = tf.slice(a, tf.stack([i, 0, 0]), tf.stack([1, -1, width]))[0]
+                per = tf.matmul(tf.cast(a_i, tf.float64), tf.cast(g[i], tf.float64),
+                                transpose_a=True)
+                value = tf.reduce_sum(tf.square(per))
+            last = [value]
+            out.append(tf.tensor_scatter_nd_update(buf, tf.reshape(j, [1, 1]),
+                                                   tf.reshape(value, [1])))
+        return k + 1, tuple(out)
+
+    _, bufs = tf.while_loop(
+        lambda k, _: k < longest, body,
+        (tf.constant(0), tuple(tf.zeros(tf.reshape(n + 1, [1]), tf.float64) for n in counts)),
+        parallel_iterations=1)
+    results = []
+    for (a, g, l1, rows), n, buf in zip(items, counts, bufs):
+        sq = buf[:n]
+        size = _dim(a, 2) * _dim(g, 2)
+        bound = (tf.sqrt(sq) * (1.0 + gamma(size + 2, tf.float64))
+                 + gamma(_dim(a, 1), tf.float64) * tf.gather(l1, rows))
+        results.append((sq, bound))
+    return results
 
 
 #: An example whose float32 weighted sum could be off by more than this fraction of its norm
