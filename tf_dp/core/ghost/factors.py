@@ -68,11 +68,16 @@ class Factors:
         raise NotImplementedError
 
 
-class _NormsOnRead(Factors):
-    """``sq`` and ``bound`` formed when first read (exact strategies only; see
-    combined_norms) by ``_form_norms()``."""
+class MaterialisedFactors(Factors):
+    """Per-example gradients ``per`` (B, ...) formed outright. ``sq`` and ``bound`` are
+    formed when first read (exact strategies only): small ones together, see
+    ``combined_norms``."""
 
     _norms = None
+
+    def __init__(self, variable, per, options: FactorOptions):
+        super().__init__(variable, options)
+        self.per = per
 
     @property
     def sq(self):
@@ -86,22 +91,8 @@ class _NormsOnRead(Factors):
         if not self.options.exact_norms:
             return None, None
         if self._norms is None:
-            self._norms = self._form_norms()
+            self._norms = precision.materialised_norms(self.per)
         return self._norms
-
-    def _form_norms(self):
-        raise NotImplementedError
-
-
-class MaterialisedFactors(_NormsOnRead):
-    """Per-example gradients ``per`` (B, ...) formed outright."""
-
-    def __init__(self, variable, per, options: FactorOptions):
-        super().__init__(variable, options)
-        self.per = per
-
-    def _form_norms(self):
-        return precision.materialised_norms(self.per)
 
     def dependencies(self):
         return [self.per]
