@@ -226,6 +226,30 @@ def test_in_chunks_covers_every_example_once(n):
         np.testing.assert_array_equal(traced(x, g).numpy(), want)
 
 
+@pytest.mark.parametrize("n", [1, 5, 6, 7, 13])
+def test_in_chunks_writes_every_row_of_its_uninitialised_buffer(n, monkeypatch):
+    # The buffer is uninitialised memory (Empty): a row no chunk wrote would hold whatever
+    # was there before, possibly another example's data (a mixed example breaks the clip
+    # bound). Here the buffer starts as NaN: every row must be overwritten, for every
+    # chunking and batch, eager and traced.
+    def poisoned(shape, dtype, init=False):
+        return tf.fill(shape, tf.constant(np.nan, dtype))
+
+    monkeypatch.setattr(conv.tf.raw_ops, "Empty", poisoned)
+    x = tf.constant(RNG.integers(-3, 4, size=(n, 4, 3)).astype(np.float32))
+    g = tf.constant(RNG.integers(-3, 4, size=(n, 4, 2)).astype(np.float32))
+    fn = lambda a, b: tf.einsum("btd,btp->bdp", a, b)  # noqa: E731
+    want = fn(x, g).numpy()
+    for chunk in (1, 2, 3, 4):
+        got = conv._in_chunks(fn, x, g, chunk, 3, 2).numpy()
+        assert not np.isnan(got).any() and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        traced = tf.function(lambda a, b, c=chunk: conv._in_chunks(fn, a, b, c, 3, 2),
+                             input_signature=[tf.TensorSpec([None, 4, 3]),
+                                              tf.TensorSpec([None, 4, 2])])
+        np.testing.assert_array_equal(traced(x, g).numpy(), want)
+
+
 def _norms_and_grads(res):
     return res.norms, res.grads
 
