@@ -13,6 +13,8 @@ the Keras train step (``tf_dp.keras.DPModel``) composes them.
 
 from __future__ import annotations
 
+import os
+
 import keras
 import tensorflow as tf
 
@@ -30,6 +32,34 @@ def check_no_cross_example_layers(model):
                 "examples, so per-example gradients (and differential privacy) are undefined. "
                 "Use keras.layers.GroupNormalization or LayerNormalization, or freeze it "
                 "(layer.trainable = False).")
+
+
+#: Environment variables that let oneDNN compute float32 matrix products and convolutions
+#: with a lower-precision internal type (bfloat16, float16, TF32 ...). TensorFlow reads the
+#: first once ("BF16" sets oneDNN's default fpmath mode); oneDNN reads the second itself.
+_REDUCED_PRECISION_MATH_VARIABLES = ("TF_SET_ONEDNN_FPMATH_MODE", "ONEDNN_DEFAULT_FPMATH_MODE",
+                                     "DNNL_DEFAULT_FPMATH_MODE")
+
+
+def check_exact_float_arithmetic():
+    """Refuses a private step when oneDNN may compute float32 in lower precision.
+
+    Every clip bound rests on worst-case rounding bounds of float32 arithmetic (u = 2^-24:
+    the per-example gradients, their weighted sums, docs/privacy.md "The clip bound holds
+    for any input and precision"). With oneDNN's fpmath mode set to bfloat16 (16 times
+    the relative error, per operation), a weighted sum could add more than C for an example,
+    and the printed epsilon would not hold. The variables are read at process start, so
+    the only fix is to unset them (or set oneDNN's to "STRICT") before starting Python.
+    """
+    for name in _REDUCED_PRECISION_MATH_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.strip() and value.strip().upper() != "STRICT":
+            raise ValueError(
+                f"The environment variable {name}={value!r} lets oneDNN compute float32 "
+                "products and convolutions in a lower precision, which breaks the rounding "
+                "bounds that keep every example's clipped contribution within the clipping "
+                "norm (so the reported epsilon would not hold). Unset it (or set it to "
+                "'STRICT') before starting the process.")
 
 
 def non_finite_policy(model):
@@ -60,6 +90,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
       seed: (2,) int seed of the JL directions (JL strategies).
     """
     strategy = norm_strategies.get(norm_strategy, num_projections)
+    check_exact_float_arithmetic()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
     return strategy.clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
