@@ -285,7 +285,7 @@ def form_gram_norms(factors):
         # The weighted sum contracts over t in one product: its rounding for example i is at
         # most gamma_{T+1} w_i l1_i (products w_i a_t and (w_i a_t) g_t, T-1 additions), of
         # which 2u w_i ||g_i|| is the final products' share.
-        norm, steps = tf.sqrt(upper), precision._dim(a, 1) + 1  # noqa: SLF001
+        norm, steps = tf.sqrt(upper), precision.dim_of(a, 1) + 1
         u = precision.unit_roundoff(a.dtype)
         slack = tf.maximum(gamma(steps, a.dtype) * l1 - 2.0 * u * norm, 0.0)
         if a.dtype == tf.float64:

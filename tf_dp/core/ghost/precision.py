@@ -27,7 +27,7 @@ import tensorflow as tf
 from tf_dp import _internals
 
 
-def _dim(t, i):
+def dim_of(t, i):
     """``t``'s dimension ``i``: a Python int when static, else a scalar tensor."""
     return t.shape[i] if t.shape[i] is not None else tf.shape(t)[i]
 
@@ -270,7 +270,7 @@ def joint_gram_norms(pairs):
     ``_gram_chunk_examples``. Per example, the same numbers as one weight alone."""
     if not pairs:
         return []
-    dims = [(_dim(a, 1), _dim(a, 2), _dim(g, 2)) for a, g in pairs]
+    dims = [(dim_of(a, 1), dim_of(a, 2), dim_of(g, 2)) for a, g in pairs]
     chunks = [_gram_chunk_examples(*d) for d in dims]
     chunk = (min(chunks) if all(isinstance(c, int) for c in chunks)
              else tf.reduce_min(tf.stack([tf.cast(c, tf.int32) for c in chunks])))
@@ -399,9 +399,9 @@ def joint_exact_outer_norms(items):
     results = []
     for (a, g, l1, rows), n, buf in zip(items, counts, bufs):
         sq = buf[:n]
-        size = _dim(a, 2) * _dim(g, 2)
+        size = dim_of(a, 2) * dim_of(g, 2)
         bound = (tf.sqrt(sq) * (1.0 + gamma(size + 2, tf.float64))
-                 + gamma(_dim(a, 1), tf.float64) * tf.gather(l1, rows))
+                 + gamma(dim_of(a, 1), tf.float64) * tf.gather(l1, rows))
         results.append((sq, bound))
     return results
 
