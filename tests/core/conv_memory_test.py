@@ -314,7 +314,7 @@ def test_the_whole_batch_patches_of_a_direct_kernel_gradient_are_never_formed(mo
 @pytest.mark.parametrize("path", ["grouped", "patches"])
 def test_the_chunks_are_written_into_one_buffer(path, monkeypatch):
     # Each chunk's per-example gradients go into their rows of one (B, width, filters)
-    # buffer, in place (rules.conv._write_rows): no TensorList of them, no concatenation
+    # buffer, in place (rules.conv._write_block): no TensorList of them, no concatenation
     # (chunks and their concatenated copy were both alive at the step's memory peak).
     graph = _wide_patches_graph(monkeypatch, path)
     lists = [op for op in graph.get_operations()

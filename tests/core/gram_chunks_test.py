@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import _reference as ref
 from tf_dp.core.ghost import precision
 from tf_dp.core.ghost.factors import FactorOptions, OuterFactors, _use_ghost
 
@@ -293,19 +294,8 @@ def test_joint_gram_sums_form_one_weight_after_the_other():
               and o.inputs[0].op.type == "Placeholder" and o.inputs[0].op.name == n]
              for n in ("x", "y", "z")]
     for k in (1, 2):
-        assert all(ops[k - 1] in ref_ancestors(c) for c in casts[k]), k
-    assert not any(ops[1] in ref_ancestors(c) for c in casts[0])
-
-
-def ref_ancestors(op):
-    seen, stack = set(), [op]
-    while stack:
-        cur = stack.pop()
-        for parent in [t.op for t in cur.inputs] + list(cur.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+        assert all(ops[k - 1] in ref.ancestor_ops(c) for c in casts[k]), k
+    assert not any(ops[1] in ref.ancestor_ops(c) for c in casts[0])
 
 
 def test_joint_exact_norms_of_ill_conditioned_examples_across_weights():

@@ -196,7 +196,7 @@ class OuterFactors(Factors):
                                                                 options.num_projections):
             self.per = tf.einsum("btd,btp->bdp", a, g)
             if options.exact_norms:
-                self.sq, self.bound = precision.materialised_norms(self.per)
+                self._sq, self._bound = precision.materialised_norms(self.per)
             else:
                 self.a = self.g = None  # nothing reads them again: eager mode frees them
 
@@ -207,27 +207,19 @@ class OuterFactors(Factors):
         # (B, d) and (B, p) are small: their squares in float64, exact to ~1e-16.
         sq_a, upper_a = precision.squared_norms(tf.cast(self.a[:, 0, :], tf.float64))
         sq_g, upper_g = precision.squared_norms(tf.cast(self.g[:, 0, :], tf.float64))
-        self.sq = sq_a * sq_g
+        self._sq = sq_a * sq_g
         # Two float64 roundings (the product and the square root) on top of the bounds.
-        self.bound = tf.sqrt(upper_a * upper_g) * (1.0 + gamma(2, tf.float64))
+        self._bound = tf.sqrt(upper_a * upper_g) * (1.0 + gamma(2, tf.float64))
 
     @property
     def sq(self):
         form_gram_norms([self])
         return self._sq
 
-    @sq.setter
-    def sq(self, value):
-        self._sq = value
-
     @property
     def bound(self):
         form_gram_norms([self])
         return self._bound
-
-    @bound.setter
-    def bound(self, value):
-        self._bound = value
 
     @property
     def wide(self):

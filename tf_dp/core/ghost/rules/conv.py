@@ -42,8 +42,7 @@ from tf_dp import _internals
 from tf_dp.core.ghost.factors import _use_ghost
 from tf_dp.core.ghost.registry import register_ghost_rule
 from tf_dp.core.ghost.rules._common import activation, covers
-from tf_dp.core.ghost.terms import (_EYE_CONV_MAX_WIDTH, conv_patches,
-                                   rows)
+from tf_dp.core.ghost.terms import _EYE_CONV_MAX_WIDTH, conv_patches, rows
 
 _LOG = logging.getLogger("tf_dp")
 
@@ -396,8 +395,8 @@ def _in_chunks(fn, x, g, chunk, width, filters):
 
     A plain ``tf.while_loop`` (``tf.map_fn`` over chunk indices took a third more graph ops
     and time to trace and optimise: issue 14, the step's first call) that writes each chunk
-    into its rows of ONE (B, width, filters) buffer, in place (``_write_rows``): the result
-    is that buffer, with no second copy. (Chunks kept in a TensorArray and concatenated held
+    into its block of ONE (B, width, filters) buffer, in place (``_write_block``): the
+    result is that buffer, with no second copy. (Chunks kept in a TensorArray and concatenated held
     both at the step's memory peak, the tutorial CNN's conv2: 32 of 79 MiB at batch 1024,
     docs/scaling.md §7; reading the chunks one by one instead cost the JL steps 5-15 % in
     loop overhead, docs/step_time.md session 11.) Under XLA, which has no in-place
