@@ -546,3 +546,54 @@ def test_a_later_layers_buffer_does_not_wait_for_an_earlier_layers_gradient():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def _direct_cnn():
+    """Two convolutions whose kernels take the chunked, in-place path (T^2 > d*p, p <= T:
+    25 positions against 32 x 4 and 36 x 3), then a dense head."""
+    model = keras.Sequential([
+        keras.Input((10, 10, 2)),
+        L.Conv2D(4, 4, strides=2, padding="same", activation="tanh"),
+        L.Conv2D(3, 3, padding="same", activation="tanh"),
+        L.Flatten(), L.Dense(1)])
+    rng = np.random.default_rng(41)
+    model.set_weights([rng.normal(0.0, 0.5, size=w.shape).astype("float32")
+                       for w in model.weights])
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. training on a dataset of fixed")
+@pytest.mark.parametrize("path", ["grouped", "patches"])
+def test_in_place_buffers_inside_the_micro_batch_loop_give_the_one_batch_step(path,
+                                                                              monkeypatch):
+    # Gradient accumulation runs the clipped sum in a tf.while_loop over micro-batches: each
+    # iteration must form its own buffers, fully written before they are read (a buffer
+    # shared by iterations, or read before its last chunk, would mix micro-batches). With
+    # one example per chunk, k = 3 micro-batches of 3, 3 and 4 examples must give the
+    # weights of k = 1 (whose per-example gradients the tests above pin to brute force),
+    # clipping active, over two steps.
+    from tf_dp.keras import make_private
+    from tf_dp.optimizers import DPSGD
+
+    _use_path(monkeypatch, path)
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1)
+    calls = []
+    in_chunks = conv._in_chunks
+    monkeypatch.setattr(conv, "_in_chunks", lambda *a: calls.append(1) or in_chunks(*a))
+    x = RNG.normal(size=(10, 10, 10, 2)).astype(np.float32)
+    y = RNG.normal(size=(10, 1)).astype(np.float32)
+    runs = []
+    for k in (1, 3):
+        model = make_private(_direct_cnn())
+        model.compile(optimizer=DPSGD(0.2, 0.0, learning_rate=0.5, seed=1,
+                                      gradient_accumulation_steps=k), loss="mse")
+        model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1, verbose=0,
+                  dataset_size=len(x))
+        runs.append(model.get_weights())
+    assert calls  # the chunked, in-place path ran
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(runs[0],
+                                                             _direct_cnn().get_weights()))
+    assert moved > 1e-3
+    for got, want in zip(runs[1], runs[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

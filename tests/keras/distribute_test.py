@@ -179,6 +179,57 @@ def test_mirrored_adaptive_and_per_layer_clipping_match_one_device(request, clip
         assert c_mirrored == pytest.approx(c_single, rel=1e-9)
 
 
+def test_mirrored_in_place_convolution_buffers_match_one_device(request, monkeypatch):
+    """Convolutions whose per-example kernel gradients are written in place into one
+    buffer per layer (rules.conv._in_chunks, one example per chunk here): two replicas run
+    their steps concurrently, each in a loop over 2 micro-batches. Each replica and
+    micro-batch must form its own buffers (shared ones would mix their examples), so the
+    weights are those of one device without accumulation. sigma = 0, clipping active."""
+    if not _in_two_cpu_process(request):
+        return
+    from tf_dp.core.ghost.rules import conv
+
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv, "_GROUPED_CHUNK_BYTES", 1)
+    calls = []
+    in_chunks = conv._in_chunks
+    monkeypatch.setattr(conv, "_in_chunks", lambda *a: calls.append(1) or in_chunks(*a))
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(32, 10, 10, 2)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def cnn():
+        model = keras.Sequential([
+            keras.Input((10, 10, 2)),
+            keras.layers.Conv2D(4, 4, strides=2, padding="same", activation="tanh"),
+            keras.layers.Conv2D(3, 3, padding="same", activation="tanh"),
+            keras.layers.Flatten(), keras.layers.Dense(1)])
+        w = np.random.default_rng(4)
+        model.set_weights([w.normal(0.0, 0.5, size=v.shape).astype("float32")
+                           for v in model.weights])
+        return model
+
+    def train(strategy, k):
+        with strategy.scope() if strategy is not None else _nullscope():
+            model = make_private(cnn())
+            model.compile(optimizer=DPSGD(l2_norm_clip=0.2, noise_multiplier=0.0,
+                                          learning_rate=0.5, gradient_accumulation_steps=k),
+                          loss="mse")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0,
+                  dataset_size=len(x))
+        return model
+
+    single = train(None, 1)
+    mirrored = train(_strategy(), 2)
+    assert calls  # the in-place path ran
+    assert _steps(mirrored) == _steps(single) == 4
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single.get_weights(),
+                                                             cnn().get_weights()))
+    assert moved > 1e-3
+    for got, want in zip(mirrored.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_mirrored_poisson_sampling_matches_one_device(request, k):
     if not _in_two_cpu_process(request):
