@@ -6,8 +6,14 @@ or oneDNN's own ``ONEDNN_DEFAULT_FPMATH_MODE`` let oneDNN's float32 matrix produ
 convolutions run in bfloat16 internally on CPUs that have it: the weighted sums could then
 add more than C per example. The step must refuse, naming the variable, from the core
 function and from Keras ``fit``; unset variables and oneDNN's "STRICT" are accepted.
+
+TensorFlow and oneDNN read the variables once per process, so unsetting one inside the
+process (as a notebook user might, after the refusal) changes nothing: a variable set when
+the process started or when tf_dp was imported is refused too (checked in fresh processes).
 """
 
+import os
+import subprocess
 import sys
 
 import keras
@@ -66,6 +72,58 @@ def test_exact_float32_math_is_accepted(monkeypatch, setting):
     x, y = _batch()
     res = clipped_sum(_model(), x, y, None, LOSS, 1.0)
     assert all(np.all(np.isfinite(g.numpy())) for g in res.grads)
+
+
+_UNSET_LATER = """
+import os, sys
+import numpy as np, tensorflow as tf
+name, when = sys.argv[1], sys.argv[2]
+x = tf.constant(np.ones((4, 3), np.float32))
+tf.linalg.matmul(x, x, transpose_b=True)  # a oneDNN kernel runs while it is set ("start")
+if when == "start":
+    os.environ.pop(name, None)  # unset before tf_dp is imported: too late for TensorFlow
+if when == "import":
+    os.environ[name] = "BF16"
+import tf_dp  # noqa: F401
+from tf_dp.core import build_per_example_loss, clipped_sum
+tf.linalg.matmul(x, x, transpose_b=True)  # and while it is set ("import")
+os.environ.pop(name, None)  # unset in the process: too late for TensorFlow and oneDNN
+model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+try:
+    clipped_sum(model, x, tf.zeros((4, 2)), None, build_per_example_loss("mse"), 1.0)
+except ValueError as e:
+    print("REFUSED", e)
+else:
+    print("ACCEPTED")
+"""
+
+
+def _run_fresh(name, when):
+    env = {k: v for k, v in os.environ.items()
+           if k not in private_step._REDUCED_PRECISION_MATH_VARIABLES}
+    if when == "start":
+        env[name] = "BF16"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _UNSET_LATER, name, when], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("when, said", [("start", "was set when this process started"),
+                                        ("import", "was set when tf_dp was imported")])
+def test_a_mode_unset_inside_the_process_is_still_refused(when, said):
+    if when == "start" and not os.path.exists("/proc/self/environ"):
+        pytest.skip("no /proc/self/environ: the process's start environment is unknown")
+    name = "TF_SET_ONEDNN_FPMATH_MODE"
+    out = _run_fresh(name, when)
+    assert "REFUSED" in out and name in out and said in out, out
+
+
+def test_a_fresh_process_without_the_variables_is_accepted():
+    # the control: the same script, nothing set at any time
+    assert "ACCEPTED" in _run_fresh("TF_SET_ONEDNN_FPMATH_MODE", "never")
 
 
 if __name__ == "__main__":

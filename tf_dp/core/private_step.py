@@ -41,6 +41,30 @@ _REDUCED_PRECISION_MATH_VARIABLES = ("TF_SET_ONEDNN_FPMATH_MODE", "ONEDNN_DEFAUL
                                      "DNNL_DEFAULT_FPMATH_MODE")
 
 
+def _process_start_environment() -> dict:
+    """The environment the process was started with (Linux: ``/proc/self/environ``, which
+    later ``os.environ`` changes do not touch); empty where it cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
+#: The variables as they were when tf_dp's private step was first imported.
+_AT_IMPORT = {name: os.environ.get(name) for name in _REDUCED_PRECISION_MATH_VARIABLES}
+
+
+def _reduced_precision(value) -> bool:
+    return bool(value and value.strip() and value.strip().upper() != "STRICT")
+
+
 def check_exact_float_arithmetic():
     """Refuses a private step when oneDNN may compute float32 in lower precision.
 
@@ -48,18 +72,29 @@ def check_exact_float_arithmetic():
     the per-example gradients, their weighted sums, docs/privacy.md "The clip bound holds
     for any input and precision"). With oneDNN's fpmath mode set to bfloat16 (16 times
     the relative error, per operation), a weighted sum could add more than C for an example,
-    and the printed epsilon would not hold. The variables are read at process start, so
-    the only fix is to unset them (or set oneDNN's to "STRICT") before starting Python.
+    and the printed epsilon would not hold.
+
+    TensorFlow and oneDNN read these variables once, when their first kernel needs them,
+    and keep the value for the life of the process: unsetting one afterwards changes
+    nothing. So a variable counts if it is set now, was set when tf_dp was imported, or was
+    set when the process started; the only fix is to start a new process without it (or
+    with "STRICT"). Not caught: a variable set and unset again by the program itself
+    between two of those moments, while a kernel read it (docs/privacy.md).
     """
+    start = _process_start_environment()
     for name in _REDUCED_PRECISION_MATH_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.strip() and value.strip().upper() != "STRICT":
-            raise ValueError(
-                f"The environment variable {name}={value!r} lets oneDNN compute float32 "
-                "products and convolutions in a lower precision, which breaks the rounding "
-                "bounds that keep every example's clipped contribution within the clipping "
-                "norm (so the reported epsilon would not hold). Unset it (or set it to "
-                "'STRICT') before starting the process.")
+        for when, value in (("is set", os.environ.get(name)),
+                            ("was set when tf_dp was imported", _AT_IMPORT.get(name)),
+                            ("was set when this process started", start.get(name))):
+            if _reduced_precision(value):
+                raise ValueError(
+                    f"The environment variable {name}={value!r} {when}: it lets oneDNN "
+                    "compute float32 products and convolutions in a lower precision, which "
+                    "breaks the rounding bounds that keep every example's clipped "
+                    "contribution within the clipping norm (so the reported epsilon would "
+                    "not hold). TensorFlow and oneDNN read it once per process, so "
+                    "unsetting it now does not help: start a new process without it (or "
+                    "with it set to 'STRICT').")
 
 
 def non_finite_policy(model):
