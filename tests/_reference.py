@@ -206,3 +206,35 @@ def cpu_runs_nchw_conv():
 __all__ = ["clip_weights", "clipped_sum_reference", "cpu_runs_nchw_conv",
            "Precision", "ancestor_ops", "assert_clipped_sum_matches", "jl_step_directions", "per_example_gradients",
            "per_example_norms"]
+
+
+def fold_seed(seed, tag):
+    """``tf_dp.core.randomness.fold_seed`` from public ops (its documented formula): the
+    (2,) int64 seed of sub-stream ``tag``, one full-range int64 pair drawn from
+    ``(seed[0], seed[1] XOR tag)``."""
+    seed = tf.cast(seed, tf.int64)
+    mixed = tf.stack([seed[0], tf.bitwise.bitwise_xor(seed[1], tf.constant(tag, tf.int64))])
+    return tf.random.stateless_uniform([2], seed=mixed, minval=None, maxval=None,
+                                       dtype=tf.int64)
+
+
+def split_seed(seed, count):
+    """``tf_dp.core.randomness.split_seed`` from public ops: (count, 2) int64 seeds."""
+    return tf.random.stateless_uniform([count, 2], seed=tf.cast(seed, tf.int64), minval=None,
+                                       maxval=None, dtype=tf.int64)
+
+
+def noise_seed(seed, index, count):
+    """The seed of variable ``index``'s gradient noise (of ``count``) in a step with the
+    noise stream's ``seed`` (``private_step.gaussian_noise``)."""
+    from tf_dp.core import private_step  # noqa: PLC0415
+
+    return split_seed(fold_seed(seed, private_step._GRADIENT_NOISE_STREAM), count)[index]
+
+
+def jl_direction_seed(seed, variable_index, direction, num_projections, num_variables):
+    """The seed of a JL direction (``jl.step_seeds``), from public ops."""
+    from tf_dp.core import jl  # noqa: PLC0415
+
+    rows = split_seed(fold_seed(seed, jl._DIRECTION_STREAM), num_projections * num_variables)
+    return rows[variable_index * num_projections + direction]

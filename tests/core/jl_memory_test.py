@@ -39,15 +39,12 @@ def _seed(a, b):
 
 
 def _old_directions(variables, num_projections, seed):
-    """``jl.directions`` before this change (every direction one stateless_normal)."""
-    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), 0x4A4C)
-    out = []
-    for j in range(num_projections):
-        sj = tf.random.experimental.stateless_fold_in(base, j)
-        out.append([tf.random.stateless_normal(v.shape, seed=tf.random.experimental
-                                               .stateless_fold_in(sj, i), dtype=v.dtype)
-                    for i, v in enumerate(variables)])
-    return out
+    """``jl.directions`` as the formula from public ops (every direction one
+    stateless_normal on its documented seed, ``tests._reference.jl_direction_seed``)."""
+    n = len(variables)
+    return [[tf.random.stateless_normal(v.shape, seed=_reference.jl_direction_seed(
+        seed, i, j, num_projections, n), dtype=v.dtype) for i, v in enumerate(variables)]
+        for j in range(num_projections)]
 
 
 # ------------------------------------------------------------------ models
@@ -214,7 +211,6 @@ def test_whole_directions_are_unchanged_and_rows_come_from_their_own_stream():
     seed, r = _seed(5, 17), 3
     new = jl.directions(variables, r, seed)
     old = _old_directions(variables, r, seed)
-    base = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), 0x4A4C)
     for i, v in enumerate(variables):
         for j in range(r):
             got = new[j][i].numpy()
@@ -226,11 +222,9 @@ def test_whole_directions_are_unchanged_and_rows_come_from_their_own_stream():
         rows = jl.draw_rows(v, i, r, seed, 4).numpy()
         assert rows.shape == (r, 4, v.shape[1]) and rows.dtype == v.dtype
         for j in range(r):
-            s = tf.random.experimental.stateless_fold_in(
-                tf.random.experimental.stateless_fold_in(base, j), i)
+            s = _reference.jl_direction_seed(seed, i, j, r, len(variables))
             want = tf.random.stateless_normal(
-                [4, v.shape[1]], dtype=v.dtype,
-                seed=tf.random.experimental.stateless_fold_in(s, 0x524F))
+                [4, v.shape[1]], dtype=v.dtype, seed=_reference.fold_seed(s, jl._ROWS_STREAM))
             np.testing.assert_array_equal(rows[j], want.numpy())
             # not rows of the whole direction (their own stream)
             assert not np.any(np.all(rows[j][:, None] == new[j][i].numpy()[None], axis=-1))

@@ -2,10 +2,10 @@
 was 2.1-3.4x non-private's, most of it graph ops built r times per weight).
 
 * ``jl.step_seeds`` / ``jl.draw`` / ``jl.draw_rows``: a bounded number of graph ops per
-  direction (a fold's draw does not depend on what is folded in: r + 2 draws give every
-  seed of a step; each direction is then two raw ops); the values are pinned elsewhere
-  (jl_memory_test: the same numbers as ``tf.random.experimental.stateless_fold_in`` and
-  ``tf.random.stateless_normal``), and again here against that formula.
+  direction (one fold and one split give every seed of a step, each with all 128 bits of
+  the step's seed; each direction is then two raw ops); the values are pinned against the
+  documented formula from public ops (``tests._reference.jl_direction_seed``,
+  ``tf.random.stateless_normal``).
 """
 
 import sys
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import _reference as ref
 from tf_dp.core import jl
 
 
@@ -57,8 +58,6 @@ def test_draws_take_few_graph_ops_per_direction(r):
 def test_draws_are_those_of_the_public_ops(dtype):
     v = tf.Variable(tf.zeros([4, 5], dtype))
     seed, r, index = tf.constant([3, 11], tf.int64), 3, 6
-    fold = tf.random.experimental.stateless_fold_in
-    base = fold(seed, 0x4A4C)
     got = jl.draw(v, index, r, seed).numpy()
     rows = jl.draw_rows(v, index, r, seed, 2).numpy()
     seeds = jl.step_seeds(r, seed, index + 2)[index]
@@ -66,11 +65,12 @@ def test_draws_are_those_of_the_public_ops(dtype):
     np.testing.assert_array_equal(jl.draw_rows(v, index, r, None, 2, seeds=seeds).numpy(),
                                   rows)
     for j in range(r):
-        s = fold(fold(base, j), index)
+        s = ref.jl_direction_seed(seed, index, j, r, index + 2)
         want = tf.random.stateless_normal([4, 5], seed=s, dtype=dtype).numpy()
         np.testing.assert_array_equal(got[j], want)
         np.testing.assert_array_equal(jl.draw(v, index, r, seed, projection=j).numpy(), want)
-        want_rows = tf.random.stateless_normal([2, 5], seed=fold(s, 0x524F), dtype=dtype)
+        want_rows = tf.random.stateless_normal([2, 5], seed=ref.fold_seed(s, jl._ROWS_STREAM),
+                                               dtype=dtype)
         np.testing.assert_array_equal(rows[j], want_rows.numpy())
 
 

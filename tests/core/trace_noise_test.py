@@ -2,10 +2,12 @@
 and optimises every op), and its values are unchanged.
 
 ``gaussian_noise`` draws variable i's noise as
-``tf.random.stateless_normal(shape, seed=stateless_fold_in(seed, i)) * stddev``. Built from
-those public functions it took 15 graph ops per variable (a full-range int draw inside each
-fold-in, mean and stddev ops of the normal); the values must stay exactly those (tests of
-other modules regenerate the noise from the seed), with one fold-in draw for all variables.
+``tf.random.stateless_normal(shape, seed=s_i) * stddev`` with ``s_i`` row i of
+``split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n)`` (all 128 bits of the step's
+seed; ``stateless_fold_in(seed, i)``, used before session 13, kept 32). Built from public
+functions it took 15 graph ops per variable; the values must stay exactly those of the
+formula (tests of other modules regenerate the noise from the seed), with one split for all
+variables.
 """
 
 import collections
@@ -20,14 +22,15 @@ from tf_dp.core import gaussian_noise
 
 
 def _reference(shapes_dtypes, stddev, seed):
+    n = len(shapes_dtypes)
     return [tf.cast(tf.random.stateless_normal(
-        shape, seed=tf.random.experimental.stateless_fold_in(seed, i), stddev=1.0,
-        dtype=tf.float32) * stddev, dtype) for i, (shape, dtype) in enumerate(shapes_dtypes)]
+        shape, seed=ref.noise_seed(seed, i, n), stddev=1.0, dtype=tf.float32) * stddev, dtype)
+        for i, (shape, dtype) in enumerate(shapes_dtypes)]
 
 
 @pytest.mark.parametrize("seed", [tf.constant([12345, -678], tf.int32),
                                   tf.constant([2**40 + 3, -(2**35)], tf.int64)])
-def test_values_are_the_fold_in_normals_times_stddev(seed):
+def test_values_are_the_split_seeds_normals_times_stddev(seed):
     shapes = [((3, 4), tf.float32), ((5,), tf.float64), ((2, 2, 2), tf.float16),
               ((1,), tf.float32), ((0, 3), tf.float32)]
     stddev = tf.constant(0.7, tf.float32)
@@ -66,15 +69,16 @@ def test_graph_ops_per_variable():
     v = 8
     graph = _graph(v)
     ops = collections.Counter(op.type for op in graph.get_operations())
-    # The fold-in's int draw is the same for every variable: drawn once (it was drawn V times).
-    assert ops["StatelessRandomUniformFullIntV2"] == 1, ops
+    # Two int draws for all variables (the noise's sub-stream seed, then one split into V
+    # seeds), not one per variable.
+    assert ops["StatelessRandomUniformFullIntV2"] == 2, ops
     assert ops["StatelessRandomNormalV2"] == v, ops
-    # Per variable: the index (Const), the folded seed (Pack), its key and counter, the shape
-    # (Const), the normal draw and the product by stddev = 6 ops; once: the int draw with its
-    # seed's key, counter, shape and algorithm (4) and the normal's algorithm (1). The
+    # Per variable: its shape (Const), its seed's key and counter, the normal draw and the
+    # product by stddev = 4 ops; once: the fold (cast, slices, xor, pack, key and counter,
+    # draw) and the split (key and counter, draw, unstack) with their constants. The
     # function's inputs (Placeholder) and outputs (Identity) are not the noise's.
     noise = sum(n for t, n in ops.items() if t not in ("Placeholder", "Identity"))
-    assert noise <= 6 * v + 5, (noise, ops)  # 15 per variable before
+    assert noise <= 4 * v + 24, (noise, ops)  # 15 per variable before session 12
 
 
 def test_each_draw_waits_for_its_clipped_sum():

@@ -8,6 +8,11 @@ from the checkpoint drew the same noise again. Invariants pinned here:
 
 * unseeded noise comes from >= 64 bits of fresh OS entropy per optimizer, and two
   optimizers (or two processes) never share it;
+* every seed derived from a step's secret 128-bit seed (each variable's noise, the adaptive
+  clip's count noise, each JL direction and its looked-up rows, each chunk of a Poisson
+  pass) keeps all 128 bits: ``tf.random.experimental.stateless_fold_in`` kept 32 (one
+  int32 draw paired with a public index), so a search over 2^32 candidates recovered a
+  step's noise from two weight snapshots and subtracted it exactly (session 13 audit);
 * restoring weights, an optimizer state, re-compiling or retrying from a checkpoint never
   reproduces noise already drawn;
 * no saved artefact (weights, .keras archive, config, tf.train.Checkpoint, SavedModel)
@@ -73,6 +78,73 @@ def test_unseeded_noise_takes_at_least_64_bits_of_os_entropy(monkeypatch):
     PoissonSampler(np.arange(10), sampling_probability=0.5)
     # Noise, JL directions and the sampler: one key each, every one >= 64 bits (was 31).
     assert len(asked) >= 3 and min(asked) * 8 >= 64, asked
+
+
+def _recorded_seeds(monkeypatch, fn, trials=48):
+    """The seeds every ``StatelessRandomGetKeyCounter`` raw op receives while ``fn(seed)``
+    runs eagerly, for ``trials`` random (2,) int64 step seeds: {call position: (trials, 2)}."""
+    calls = []
+    real = tf.raw_ops.StatelessRandomGetKeyCounter
+
+    def spy(seed, name=None):
+        calls.append(np.asarray(seed))
+        return real(seed=seed, name=name)
+
+    monkeypatch.setattr(tf.raw_ops, "StatelessRandomGetKeyCounter", spy)
+    rng = np.random.default_rng(20261124)
+    per_trial = []
+    for _ in range(trials):
+        calls.clear()
+        fn(tf.constant(rng.integers(-2**63, 2**63 - 1, size=2, dtype=np.int64)))
+        per_trial.append(list(calls))
+    assert per_trial[0], "no seed recorded"
+    return {k: np.stack([t[k] for t in per_trial]) for k in range(len(per_trial[0]))}
+
+
+def _assert_full_128_bits(seeds, what):
+    for k, s in seeds.items():
+        assert s.dtype == np.int64, (what, k, s.dtype)  # an int32 seed carries 64 bits at most
+        for half in (0, 1):
+            col = s[:, half]
+            # 48 draws of a full-range int64: all distinct, most beyond int32's range. The
+            # stateless_fold_in seeds were [int32 draw, public index]: half 0 inside int32's
+            # range, half 1 the same for every step.
+            assert len(set(col.tolist())) == len(col), (what, k, half)
+            assert np.mean(np.abs(col.astype(np.float64)) > 2.0**40) > 0.9, (what, k, half)
+
+
+def test_every_seed_derived_from_a_step_seed_keeps_its_128_bits(monkeypatch):
+    from tf_dp.core import gaussian_noise, jl  # noqa: PLC0415
+
+    shapes = [((3, 2), tf.float32), ((4,), tf.float32), ((2, 2), tf.float16)]
+    noise = _recorded_seeds(monkeypatch, lambda s: gaussian_noise(shapes, 1.0, s))
+    assert len(noise) == len(shapes)
+    _assert_full_128_bits(noise, "gradient noise")
+    table = tf.Variable(tf.zeros([9, 3]))
+    rows = _recorded_seeds(monkeypatch, lambda s: jl.draw_rows(table, 2, 3, s, 4))
+    _assert_full_128_bits(rows, "JL rows")
+    directions = {k: np.stack([np.asarray(jl.step_seeds(3, tf.constant(v), 4)[k // 3][k % 3])
+                               for v in noise[0]]) for k in range(12)}
+    _assert_full_128_bits(directions, "JL directions")
+    folded = {0: np.stack([randomness.fold_seed(tf.constant(v), 2**31 - 1).numpy()
+                           for v in noise[0]]),
+              1: np.stack([randomness.fold_seed(tf.constant(v), tf.constant(7, tf.int64))
+                           .numpy() for v in noise[0]])}
+    _assert_full_128_bits(folded, "fold_seed (count noise, Poisson chunks)")
+
+
+def test_no_library_code_calls_stateless_fold_in():
+    # It keeps 32 secret bits of the seed it folds (above); randomness.fold_seed keeps 128.
+    import ast  # noqa: PLC0415
+
+    root = os.path.dirname(tf_dp.__file__)
+    found = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        found += [f"{path}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and n.attr == "stateless_fold_in"]
+    assert not found, found
 
 
 def test_two_unseeded_optimizers_draw_unrelated_noise():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_dp import _internals
-from tf_dp.core import vmap
+from tf_dp.core import randomness, vmap
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
@@ -36,13 +36,6 @@ _ROWS_STREAM = 0x524F  # "RO"
 _AUTO_SELECT = 3
 
 
-def _fold_in(seed, data, scalar, alg):
-    """``tf.random.experimental.stateless_fold_in(seed, data)`` for an int32 ``data``:
-    ``[one full-range int32 draw from seed, data]``, from raw ops whose constant arguments
-    (``scalar``: the shape [], ``alg``) are made once per draw, not once per fold."""
-    return tf.stack([_full_int(seed, scalar, alg), data])
-
-
 def _normal(shape, seed, dtype, alg):
     """``tf.random.stateless_normal(shape, seed, dtype=dtype)`` without its ``* 1 + 0``."""
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
@@ -51,33 +44,17 @@ def _normal(shape, seed, dtype, alg):
 
 
 def step_seeds(num_projections: int, seed, num_variables: int):
-    """The seeds of every direction of a step: ``seeds[k][j]``, (2,) int32, of variable k's
-    direction j, ``fold_in(fold_in(fold_in(seed, _DIRECTION_STREAM), j), k)`` (the numbers
-    ``tf.random.experimental.stateless_fold_in`` gives).
-
-    In a few graph ops for all of them (the seeds were most of a JL step's trace):
-    ``fold_in(s, data)`` is ``[u, data]`` with ``u`` one draw from ``s`` whatever ``data``,
-    so the r * V seeds need r + 2 draws.
+    """The seeds of every direction of a step: ``seeds[k][j]``, (2,) int64, of variable k's
+    direction j: row ``k * r + j`` of ``split_seed(fold_seed(seed, _DIRECTION_STREAM),
+    r * V)`` (``tf_dp.core.randomness``), so every direction's seed has all 128 secret bits
+    of the step's seed. (``stateless_fold_in`` chains, used until session 13, left 32: a
+    search over 2^32 candidates would have found the directions of a step.) Two graph ops
+    for all of them; a variable's row does not depend on how many variables are split.
     """
-    scalar = tf.constant([], tf.int32)
-    alg = tf.constant(_AUTO_SELECT, tf.int32)
-    base = _fold_in(tf.cast(seed, tf.int64), tf.constant(_DIRECTION_STREAM, tf.int32), scalar,
-                    alg)
     r, v = num_projections, num_variables
-    u = _full_int(base, scalar, alg)  # fold_in(base, j) = [u, j]
-    firsts = tf.unstack(tf.stack([tf.fill([r], u), tf.range(r, dtype=tf.int32)], axis=1), r)
-    u_j = tf.stack([_full_int(s, scalar, alg) for s in firsts])  # fold_in(., k) = [u_j, k]
-    grid = tf.stack([tf.tile(u_j[:, None], [1, v]),
-                     tf.tile(tf.range(v, dtype=tf.int32)[None], [r, 1])], axis=-1)
-    by_j = [tf.unstack(row, v) for row in tf.unstack(grid, r)]
-    return [[by_j[j][k] for j in range(r)] for k in range(v)]
-
-
-def _full_int(seed, scalar, alg):
-    """One full-range int32 draw from ``seed`` (what ``stateless_fold_in`` folds in)."""
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    return tf.raw_ops.StatelessRandomUniformFullIntV2(shape=scalar, key=key, counter=counter,
-                                                      alg=alg, dtype=tf.int32)
+    rows = tf.unstack(randomness.split_seed(randomness.fold_seed(seed, _DIRECTION_STREAM),
+                                            r * v), r * v)
+    return [[rows[k * r + j] for j in range(r)] for k in range(v)]
 
 
 def _variable_seeds(num_projections: int, seed, index: int, seeds=None):
@@ -96,9 +73,9 @@ def draw(variable, index: int, num_projections: int, seed, projection=None, seed
     :func:`step_seeds` (then ``seed`` is not read), to draw a step's directions with fewer
     graph ops.
 
-    Direction j is ``tf.random.stateless_normal(variable.shape, seed=fold_in(fold_in(
-    fold_in(seed, _DIRECTION_STREAM), j), index))``: i.i.d. N(0, 1) from the step's secret
-    seed (the same values, in two raw ops each)."""
+    Direction j is ``tf.random.stateless_normal(variable.shape, seed=step_seeds(...)[index]
+    [j])``: i.i.d. N(0, 1) from the step's secret seed (the same values, in two raw ops
+    each)."""
     seeds = _variable_seeds(num_projections, seed, index, seeds)
     if projection is not None:
         seeds = seeds[projection:projection + 1]
@@ -122,25 +99,39 @@ def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=
     have exactly the law they have with a whole direction, which is what the JL accounting
     assumes. Within a step each example that looks a row up sees the same vector.
 
-    Direction j's rows: ``stateless_normal([num_rows, width], seed=fold_in(s_j,
+    Direction j's rows: ``stateless_normal([num_rows, width], seed=fold_seed(s_j,
     _ROWS_STREAM))`` with ``s_j`` the seed of :func:`draw`'s direction j (``seeds``: as
     for :func:`draw`).
     """
     seeds = _variable_seeds(num_projections, seed, index, seeds)
-    scalar = tf.constant([], tf.int32)
     alg = tf.constant(_AUTO_SELECT, tf.int32)
     shape = tf.stack([tf.cast(num_rows, tf.int32), variable.shape[1]])
-    rows = tf.constant(_ROWS_STREAM, tf.int32)
-    return tf.stack([_normal(shape, _fold_in(s, rows, scalar, alg), variable.dtype, alg)
-                     for s in seeds])
+    return tf.stack([_normal(shape, s, variable.dtype, alg) for s in _rows_seeds(seeds, alg)])
+
+
+def _rows_seeds(seeds, alg):
+    """``[randomness.fold_seed(s, _ROWS_STREAM) for s in seeds]`` (the same numbers: one
+    full-range int64 pair drawn from ``(s[0], s[1] XOR _ROWS_STREAM)``), in one XOR for all
+    and two raw ops per seed."""
+    k = len(seeds)
+    mixed = tf.unstack(tf.bitwise.bitwise_xor(
+        tf.stack([tf.cast(s, tf.int64) for s in seeds]),
+        tf.constant([[0, _ROWS_STREAM]], tf.int64)), k)
+    pair = tf.constant([2], tf.int32)
+    out = []
+    for m in mixed:
+        key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=m)
+        out.append(tf.raw_ops.StatelessRandomUniformFullIntV2(
+            shape=pair, key=key, counter=counter, alg=alg, dtype=tf.int64))
+    return out
 
 
 def directions(variables, num_projections: int, seed):
     """r standard Gaussian directions: a list over j of lists over variables.
 
-    ``seed`` is a (2,) int tensor (the optimizer's noise seed and step): the same seed gives
-    the same projections. Variable ``i``'s direction ``j`` has seed ``fold_in(fold_in(base,
-    j), i)``; the JL strategy draws each variable's directions alone (:func:`draw`), the
+    ``seed`` is a (2,) int64 tensor (the optimizer's JL stream's seed of the step): the same
+    seed gives the same projections. Variable ``i``'s direction ``j`` has seed
+    ``step_seeds(r, seed, V)[i][j]``; the JL strategy draws each variable's directions alone (:func:`draw`), the
     same numbers, and an embedding table with ghost factors on its looked-up rows only
     (:func:`draw_rows`).
     """

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp import _internals
-from tf_dp.core import ghost, norm_strategies
+from tf_dp.core import ghost, norm_strategies, randomness
 from tf_dp.core.norm_strategies import ClippedSum, batch_size_of, clip_factors  # noqa: F401
 
 
@@ -132,12 +132,17 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                 variables, seed=seed, non_finite=non_finite_policy(model))
 
 
+#: the gradient noise's sub-stream of the optimizer's step seed (randomness.fold_seed)
+_GRADIENT_NOISE_STREAM = 0x4E4F4953  # "NOIS"
+
+
 @tf.autograph.experimental.do_not_convert
 def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
     """Independent N(0, stddev^2) noise for each (shape, dtype), from a stateless seed.
 
-    ``seed`` is a (2,) int tensor (a secret stream's draw, ``tf_dp.core.randomness``); each
-    tensor gets its own derived seed, so noise is independent across variables.
+    ``seed`` is a (2,) int64 tensor (a secret stream's draw, ``tf_dp.core.randomness``); each
+    tensor gets its own derived seed with all 128 of its bits, so noise is independent
+    across variables and no seed can be found by search without ``seed``.
 
     ``after``: optional tensors, one per entry (e.g. the clipped sums the noise is added to).
     Each draw then waits for its tensor. The noise does not depend on the data, so without
@@ -150,18 +155,19 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
                          f"for {len(shapes_dtypes)}.")
     if not shapes_dtypes:
         return []
-    # Variable i's draw is tf.random.stateless_normal(shape, seed=stateless_fold_in(seed, i))
-    # * stddev, built from its parts: fold_in(seed, i) is [r, i] with r one full-range int32
-    # drawn from `seed` (the same r for every i), so r is drawn once; the normal is the raw
-    # op on that seed's key and counter (no mean and unit stddev ops). Same values, a third
-    # of the graph ops per variable (the step's first call traces and optimises them all).
-    r = tf.random.stateless_uniform([], seed=seed, minval=None, maxval=None, dtype=tf.int32)
+    # Variable i's draw is tf.random.stateless_normal(shape, seed=s_i) * stddev with s_i row i
+    # of split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n): 128 secret bits each (not
+    # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed). The normal is
+    # the raw op on s_i's key and counter (no mean and unit stddev ops).
+    seeds = tf.unstack(randomness.split_seed(
+        randomness.fold_seed(seed, _GRADIENT_NOISE_STREAM), len(shapes_dtypes)),
+        len(shapes_dtypes))
     alg = tf.constant(tf.random.Algorithm.AUTO_SELECT.value, tf.int32)  # one for all draws
     out = []
     for i, (shape, dtype) in enumerate(shapes_dtypes):
         with tf.control_dependencies([] if after is None or after[i] is None
                                      else [after[i]]):
-            key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=tf.stack([r, i]))
+            key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seeds[i])
             z = tf.raw_ops.StatelessRandomNormalV2(
                 shape=shape if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).as_list(),
                 key=key, counter=counter, alg=alg, dtype=tf.float32)

@@ -103,6 +103,36 @@ class SecretStream:
                         "shared between two users of the noise).")
 
 
+def fold_seed(seed, tag) -> tf.Tensor:
+    """The (2,) int64 seed of sub-stream ``tag`` of the secret (2,) int64 ``seed``, with all
+    of its 128 bits: one Philox evaluation of ``(seed[0], seed[1] XOR tag)`` (the
+    construction of ``SecretStream``'s own seeds). ``tag``: a Python int or an int tensor,
+    non-zero (tag 0 would give ``split_seed(seed, n)[0]``); distinct tags give unrelated
+    seeds, and without ``seed`` none of them can be found by search.
+
+    Not ``tf.random.experimental.stateless_fold_in``: it draws ONE int32 from the seed and
+    pairs it with the (public) data, so every seed it makes has 32 secret bits, which a
+    search over 2^32 candidates recovers from two released weight snapshots (the noise of a
+    step then subtracts exactly: found by the session 13 audit).
+    """
+    if isinstance(tag, int) and tag == 0:
+        raise ValueError("fold_seed: `tag` must be non-zero.")
+    seed = tf.cast(seed, tf.int64)
+    mixed = tf.stack([seed[0], tf.bitwise.bitwise_xor(seed[1], tf.cast(tag, tf.int64))])
+    return tf.random.stateless_uniform([2], seed=mixed, minval=None, maxval=None,
+                                       dtype=tf.int64)
+
+
+def split_seed(seed, count) -> tf.Tensor:
+    """``count`` (2,) int64 seeds from the secret (2,) int64 ``seed``, as a (count, 2) tensor:
+    row i is two full-range int64 Philox outputs under the key that all 128 bits of ``seed``
+    make (``tf.random.experimental.stateless_split`` with an int64 seed). One op for all of
+    them; the rows of a shorter split are the first rows of a longer one."""
+    shape = [count, 2] if isinstance(count, int) else tf.stack([count, 2])
+    return tf.random.stateless_uniform(shape, seed=tf.cast(seed, tf.int64), minval=None,
+                                       maxval=None, dtype=tf.int64)
+
+
 def seeded_draw(seed: int, purpose: str, index: int) -> tf.Tensor:
     """The ``index``-th seed (0-based) a stream seeded with ``seed`` hands out for ``purpose``
     ("noise", "jl", "poisson"): for reproducing a seeded debugging run, e.g. in tests."""

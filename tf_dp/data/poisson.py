@@ -500,8 +500,8 @@ def _one_pass(source, n, q, seed, chunk):
     batched (possibly none of them).
 
     Element i is kept iff ``u_i < q``, u_i the (i mod chunk)-th of ``chunk`` stateless
-    uniforms drawn from ``fold_in(seed, i // chunk)``: independent Bernoulli(q) given the
-    secret seed. The pass must hold exactly ``n`` elements: more fails as soon as the
+    uniforms drawn from ``randomness.fold_seed(seed, i // chunk + 1)``: independent
+    Bernoulli(q) given the secret seed, whose 128 bits every chunk's seed keeps. The pass must hold exactly ``n`` elements: more fails as soon as the
     (n+1)-th arrives, fewer at its end.
     """
     spec = source.element_spec
@@ -513,8 +513,9 @@ def _one_pass(source, n, q, seed, chunk):
 
     def keep(c, rows):
         k = tf.shape(tf.nest.flatten(rows)[0])[0]
-        u = tf.random.stateless_uniform([chunk], seed=tf.random.experimental.stateless_fold_in(
-            seed, c), dtype=tf.float64)
+        # (chunk c's seed keeps all 128 secret bits: randomness.fold_seed, tag c + 1 != 0)
+        u = tf.random.stateless_uniform(
+            [chunk], seed=randomness.fold_seed(seed, tf.cast(c, tf.int64) + 1), dtype=tf.float64)
         mask = u[:k] < tf.cast(q, tf.float64)
         kept = tf.nest.map_structure(lambda r: tf.boolean_mask(r, mask), rows)
         return tf.cast(k, tf.int64), kept, False

@@ -389,7 +389,8 @@ class DPOptimizerMixin:
         count = clipping.as_float64(clip_count)
         if seed is not None:
             # A seed of its own, folded from the step's: independent of the gradient noise.
-            count_seed = tf.random.experimental.stateless_fold_in(seed, _COUNT_NOISE_STREAM)
+            # (all 128 bits of the step's seed: randomness.fold_seed, not stateless_fold_in)
+            count_seed = randomness.fold_seed(seed, _COUNT_NOISE_STREAM)
             draw = tf.random.stateless_normal([], seed=count_seed, dtype=tf.float64)
             count += draw * clipping.as_float64(count_stddev) * tf.cast(first_replica,
                                                                          tf.float64)
