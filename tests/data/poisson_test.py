@@ -683,3 +683,21 @@ def test_a_list_of_inputs_is_sampled_and_trains_a_multi_input_model():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_what_the_accounting_reads_cannot_change_after_the_sampler_is_made():
+    # Session 13 audit: q lowered after dataset() was accepted; fit accounted the new q
+    # (epsilon 0.46) while the batches kept the old one (15.1).
+    sampler = PoissonSampler(np.arange(20, dtype=np.float32)[:, None], np.zeros(20),
+                             sampling_probability=0.5)
+    for name, value in (("sampling_probability", 0.01), ("dataset_size", 2000),
+                        ("seed", 3), ("_stream", None)):
+        with pytest.raises(AttributeError, match=name):
+            setattr(sampler, name, value)
+    assert sampler.sampling_probability == 0.5 and sampler.dataset_size == 20
+    sampler.pad_to = 4  # still free before any dataset is made
+    sampler.dataset(num_steps=1)
+    for name in ("pad_to", "schedule"):
+        with pytest.raises(AttributeError, match=f"{name}.*dataset"):
+            setattr(sampler, name, None)
+    sampler.steps_per_epoch = 7  # not read by the sampling or the accounting

@@ -37,6 +37,11 @@ _CHUNK_BYTES = 8 << 20
 _MAX_CHUNK = 1024
 
 
+#: PoissonSampler attributes fixed when it is created (what the accounting and every
+#: dataset read); ``schedule`` and ``pad_to`` are fixed once ``dataset()`` is called.
+_FROZEN_AT_CREATION = ("sampling_probability", "dataset_size", "seed", "_stream", "_source")
+
+
 class PoissonSampler:
     """Batches in which every example is included independently with probability q.
 
@@ -157,6 +162,19 @@ class PoissonSampler:
         # forward), so iterating a dataset twice, or calling dataset() twice, never repeats a
         # sample.
         self._stream = randomness.SecretStream("poisson", seed)
+        object.__setattr__(self, "_frozen", set(_FROZEN_AT_CREATION))
+
+    def __setattr__(self, name, value):
+        # What the accounting reads (q, N, the schedule's rates) must be what the datasets
+        # sample at: a q lowered after dataset() was built was accounted while the batches
+        # kept the old rate (session 13 audit: epsilon 0.46 reported for 15.1).
+        if name in getattr(self, "_frozen", ()):
+            raise AttributeError(
+                f"PoissonSampler.{name} cannot be changed after "
+                + ("creation" if name in _FROZEN_AT_CREATION else "dataset() was called")
+                + ": the datasets sample at the values they were made with, and fit() "
+                "accounts what the sampler says; create a new PoissonSampler instead.")
+        object.__setattr__(self, name, value)
 
     @property
     def source(self):
@@ -203,6 +221,7 @@ class PoissonSampler:
         third part is always there (weight 0 on padding rows) and every batch has a
         multiple of ``pad_to`` rows; its batch axis is static only when ``pad_to >= N``.
         """
+        self._frozen.update(("schedule", "pad_to"))  # now in this dataset's sampling
         n, pad_to = self.dataset_size, self.pad_to
         steps = tf.data.Dataset.range(num_steps) if num_steps is not None else (
             tf.data.Dataset.range(2**62))
