@@ -10,13 +10,20 @@ saved budget keeps the larger of the two records (``merge``).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+import weakref
 
 from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
 
+
+#: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained
+#: by two budgets would split its steps between them).
+_LEDGER_OWNERS = weakref.WeakKeyDictionary()
+_OWNERS_LOCK = threading.RLock()
 
 #: what epsilon never covers (docs/privacy.md).
 NOT_COVERED = (
@@ -50,20 +57,80 @@ class PrivacyBudget:
         self.caveats: set = set()
         #: what happened to the record (e.g. a recovery from a budget journal), in order.
         self.notes: list = []
+        #: the budget this one was taken into (two private models over the same variables
+        #: share one budget: see ``absorb``); None while it is in use.
+        self.merged_into = None
+        # The step ledgers of every optimizer this budget has drained, replaced ones
+        # included: a function traced before a compile() still applies steps through the
+        # optimizer it captured, so those ledgers are drained for as long as the budget lives.
+        self._ledgers: list = []
+
+    def current(self) -> "PrivacyBudget":
+        """The budget in use: this one, or the one it was taken into (``absorb``)."""
+        budget = self
+        while budget.merged_into is not None:
+            budget = budget.merged_into
+        return budget
 
     # -- spending ------------------------------------------------------------------------
 
     def drain(self, optimizer) -> None:
-        """Moves the steps ``optimizer`` applied since the last drain into the accountants."""
-        if optimizer is None:
-            return
-        for sigma, q, r, count in optimizer.drain_steps():
+        """Moves the steps ``optimizer`` (and every optimizer this budget drained before, see
+        ``track``) applied since the last drain into the accountants."""
+        if optimizer is not None:
+            self.track(optimizer)
+        for ledger in list(self._ledgers):
+            self._drain_ledger(ledger)
+
+    def _drain_ledger(self, ledger) -> None:
+        for sigma, q, r, count in ledger.drain():
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
             if r is not None:
                 # What exact clipping would have cost at the same sigma, q and steps.
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,
                                                     sampling_probability=q, count=count)
+
+    def track(self, optimizer) -> None:
+        """From now on this budget drains ``optimizer``'s ledger, also after the optimizer
+        is replaced (a traced function may still hold it). A ledger another budget drained
+        until now is first drained into that budget (those steps were its model's)."""
+        ledger = getattr(optimizer, "_dp_ledger", None)
+        if ledger is None:
+            return
+        with _OWNERS_LOCK:
+            if any(ledger is mine for mine in self._ledgers):
+                return
+            ref = _LEDGER_OWNERS.get(ledger)
+            owner = None if ref is None else ref()
+            owner = None if owner is None else owner.current()
+            if owner is not None and owner is not self:
+                owner._drain_ledger(ledger)
+                owner._ledgers = [l for l in owner._ledgers if l is not ledger]
+            self._ledgers.append(ledger)
+            _LEDGER_OWNERS[ledger] = weakref.ref(self)
+
+    def absorb(self, other: "PrivacyBudget", warning: str = None) -> "PrivacyBudget":
+        """Takes ``other`` into this budget: both spent on the same variables (two private
+        models sharing layers), so from now on they are one budget, whose record covers
+        both (``merge``: the same history is not counted twice, different ones are
+        composed) and which drains both budgets' optimizers. ``other`` forwards to this
+        budget (``current``). Returns the budget in use."""
+        me, other = self.current(), other.current()
+        if other is me:
+            return me
+        with _OWNERS_LOCK:
+            for budget in (me, other):  # both records complete before they are compared
+                for ledger in list(budget._ledgers):
+                    budget._drain_ledger(ledger)
+            me.merge(other.get_config(), warning=warning)
+            for ledger in other._ledgers:
+                if not any(ledger is mine for mine in me._ledgers):
+                    me._ledgers.append(ledger)
+                _LEDGER_OWNERS[ledger] = weakref.ref(me)
+            other._ledgers = []
+            other.merged_into = me
+        return me
 
     def _exact_counterpart(self):
         """Every step accounted so far as exact clipping would have cost it (JL steps with
@@ -228,7 +295,7 @@ class PrivacyBudget:
         budget.notes = list(config.get("notes") or ())
         return budget
 
-    def merge(self, saved: dict) -> None:
+    def merge(self, saved: dict, warning: str = None) -> None:
         """Takes in a saved budget; nothing rewinds the spent budget.
 
         Same history (lineage): keep whichever of the two records the other is a prefix of
@@ -248,8 +315,9 @@ class PrivacyBudget:
         elif same and _is_prefix(theirs.accountant.phases, mine.phases):
             pass  # an older state of this very run: the budget's record already covers it
         else:
-            warnings.warn("tf_dp: loading weights trained in another run into a model that has "
-                          "already trained: both runs' steps are now accounted.", stacklevel=4)
+            warnings.warn(warning or (
+                "tf_dp: loading weights trained in another run into a model that has "
+                "already trained: both runs' steps are now accounted."), stacklevel=4)
             for acc, other in ((mine, theirs.accountant), (self.exact_clipping_accountant,
                                                            theirs.exact_clipping_accountant)):
                 for p in other.phases:

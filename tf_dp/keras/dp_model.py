@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -26,6 +28,10 @@ _FIXED_BATCH_NOTE = (
     "that matches the accounting.")
 
 _BUDGET_KEY = "tf_dp_privacy_budget"
+#: the budget's node in a tf.train.Checkpoint of the model (its JSON record, no secret).
+#: Not "tf_dp_...": tests/privacy/noise_secrecy_test.py takes that prefix in a checkpoint as
+#: the mark of the optimizer's secret state (key, counter), which is never saved.
+_CHECKPOINT_NODE = "dp_privacy_budget"
 
 
 class DPTrainMixin:
@@ -38,8 +44,10 @@ class DPTrainMixin:
     it; the model's accountant drains those records, so every applied step is accounted in
     any loop (``fit``, ``train_on_batch``, a custom loop over ``train_step``).
 
-    The spent budget never goes down: it is saved with the model (config and weights files)
-    and restoring an older checkpoint into a model that has trained keeps the larger one.
+    The spent budget never goes down: it is saved with the model (config and weights files,
+    and a ``tf.train.Checkpoint`` of the model) and restoring an older checkpoint into a model
+    that has trained keeps the larger one. Private models over the same variables share one
+    budget. ``model.optimizer`` is replaced by ``compile`` only (assignment is refused).
     """
 
     # ------------------------------------------------------------------ privacy budget
@@ -53,9 +61,14 @@ class DPTrainMixin:
         return budget
 
     def _dp_budget_obj(self):
-        if getattr(self, "_dp_budget", None) is None:
-            self._dp_budget = PrivacyBudget()
-        return self._dp_budget
+        budget = getattr(self, "_dp_budget", None)
+        if budget is None:
+            budget = self._dp_budget = PrivacyBudget()
+        elif budget.merged_into is not None:
+            # Another private model over some of the same variables took this budget in
+            # (``_dp_claim_variables``): the budget they share now.
+            budget = self._dp_budget = budget.current()
+        return budget
 
     def _dp_drain(self):
         """Moves the steps the optimizer applied since the last call into the budget."""
@@ -157,6 +170,79 @@ class DPTrainMixin:
             store = _StoreWithout(store, _BUDGET_KEY)
         super().load_own_variables(store)
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # tf.train.Checkpoint / CheckpointManager of the model save the spent budget beside
+        # the weights, and restoring merges it (never lowers it): see _BudgetCheckpoint.
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "checkpoint":
+            children = dict(children)
+            children[_CHECKPOINT_NODE] = self._dp_budget_checkpoint()
+        return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        if name == _CHECKPOINT_NODE:
+            return self._dp_budget_checkpoint()
+        return super()._lookup_dependency(name, cached_dependencies)
+
+    def _dp_budget_checkpoint(self):
+        node = self.__dict__.get("_dp_budget_node")
+        if node is None:
+            node = _BudgetCheckpoint(self)
+            # Not through Keras' __setattr__: it would track the node a second time.
+            object.__setattr__(self, "_dp_budget_node", node)
+        return node
+
+    def __setattr__(self, name, value):
+        if (name == "optimizer" and not self.__dict__.get("_dp_compiling", False)
+                and value is not self.__dict__.get("optimizer")):
+            raise AttributeError(
+                "tf_dp: assigning `model.optimizer` is refused on a private model: call "
+                "model.compile(optimizer=..., loss=...) instead. compile() accounts the steps "
+                "the current optimizer applied before replacing it, checks that the new one "
+                "is a tf_dp DP optimizer and records its caveats (e.g. a seed); an assignment "
+                "would do none of this (the old optimizer's unaccounted steps would be lost).")
+        super().__setattr__(name, value)
+
+    def _dp_claim_variables(self):
+        """Binds this model's trainable variables to its budget. Variables another private
+        model already trains under its own budget (``make_private`` called twice on one
+        model, two private models sharing layers) carry that budget's steps too: the two
+        budgets become one (``PrivacyBudget.absorb``) that both models report, with a
+        warning, so that no model reports only its own share of the steps its weights had."""
+        mine = self._dp_budget_obj()
+        variables = list(self.trainable_variables)
+        with _CLAIM_LOCK:
+            others = []
+            for v in variables:
+                entry = _VARIABLE_BUDGETS.get(id(v))
+                if entry is None or entry[0]() is not v:
+                    continue
+                other = entry[1].current()
+                if other is not mine and not any(other is o for o in others):
+                    others.append(other)
+            if others:
+                shared = others[0]
+                before = [o.accountant.steps for o in others] + [mine.accountant.steps]
+                for budget in others[1:] + [mine]:
+                    shared.absorb(budget, warning=_SHARED_COMPOSED)
+                self._dp_budget = shared
+                mine = shared
+                warnings.warn(
+                    f"tf_dp: some trainable variables of {self.name!r} are also trained by "
+                    "another private model (make_private called twice on one model, or two "
+                    "private models sharing layers): the weights carry the steps of both, so "
+                    "the models now share one privacy budget that counts all of them "
+                    f"({' + '.join(str(n) for n in before)} steps so far; delta "
+                    f"{shared.delta:g}, target epsilon {shared.target_epsilon}).",
+                    UserWarning, stacklevel=3)
+            for v in variables:
+                entry = _VARIABLE_BUDGETS.get(id(v))
+                if entry is None or entry[0]() is not v:
+                    _VARIABLE_BUDGETS[id(v)] = (weakref.ref(v, _forget_variable(id(v))), mine)
+                elif entry[1].current() is mine and entry[1] is not mine:
+                    _VARIABLE_BUDGETS[id(v)] = (entry[0], mine)
+        return mine
+
     # ------------------------------------------------------------------ compile / fit
 
     def compile(self, optimizer=None, loss=None, loss_weights=None, **kwargs):
@@ -165,14 +251,24 @@ class DPTrainMixin:
                 "A private model needs a tf_dp differentially private optimizer "
                 "(tf_dp.DPSGD, tf_dp.DPAdam, tf_dp.DPAdamW, ...), got `optimizer`="
                 f"{optimizer!r}. A plain optimizer would train without privacy.")
-        # Steps of a previous optimizer are accounted before it is replaced.
+        # Steps of a previous optimizer are accounted before it is replaced; the budget keeps
+        # draining it afterwards (a function traced before this compile still applies steps
+        # through it).
         self._dp_drain()
+        self._dp_budget_obj().track(_dp_optimizer_of(optimizer))
         # XLA cannot compile every fallback (vectorized_map / map_fn); keep it opt-in.
         kwargs.setdefault("jit_compile", False)
         # The private step scales per-example losses itself, by a fixed scale (below):
         # Keras' LossScaleOptimizer (dynamic, data-dependent skips) is not wanted.
         kwargs.setdefault("auto_scale_loss", False)
-        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights, **kwargs)
+        object.__setattr__(self, "_dp_compiling", True)
+        try:
+            super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                            **kwargs)
+        finally:
+            object.__setattr__(self, "_dp_compiling", False)
+        if self.built:
+            self._dp_claim_variables()
         names = getattr(self, "output_names", None)
         self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
         # mixed_float16: a fixed, data-independent loss scale (Keras' dynamic scaling skips
@@ -251,6 +347,10 @@ class DPTrainMixin:
             self._dp_caveat(_SEEDED_CAVEAT)
             warnings.warn(_SEEDED_CAVEAT, UserWarning, stacklevel=2)
         self._dp_check_model(x, y, sample_weight)
+        if self.built:
+            # (Again: the check may have built the model.) Before the plan below reads the
+            # spent budget, which a model sharing variables with another one shares.
+            self._dp_claim_variables()
         k = opt.accumulation_steps
         self._dp_without_xla_where_it_aborts(k)
         schedule = batch_size if isinstance(batch_size, PiecewiseBatchSize) else None
@@ -375,8 +475,9 @@ class DPTrainMixin:
         callbacks = ([privacy] + [c for c in callbacks if c not in journals]
                      + [j for j in journals])
         try:
-            return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
-                               validation_data=validation_data, **fit_args, **kwargs)
+            with _declared_sampling(self):
+                return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
+                                   validation_data=validation_data, **fit_args, **kwargs)
         finally:
             self._dp_drain()
             for journal in journals:
@@ -389,6 +490,8 @@ class DPTrainMixin:
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before train_on_batch().")
+        if self.built:
+            self._dp_claim_variables()
         self._dp_drain()
         if self._dp_remaining_steps(opt.mechanism(1.0)) == 0:
             raise RuntimeError(
@@ -398,8 +501,10 @@ class DPTrainMixin:
         self._dp_without_xla_where_it_aborts(opt.accumulation_steps)
         self._dp_set_sampling(None, 1.0, poisson=False)
         try:
-            return super().train_on_batch(x, y, sample_weight=sample_weight,
-                                          class_weight=class_weight, return_dict=return_dict)
+            with _declared_sampling(self):
+                return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                              class_weight=class_weight,
+                                              return_dict=return_dict)
         finally:
             self._dp_drain()
 
@@ -451,11 +556,44 @@ class DPTrainMixin:
         return self.privacy_budget.remaining_steps(mechanism)
 
     def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
+        """The sampling of the steps Keras' train function runs in this fit (or
+        train_on_batch). It applies to those steps only: a step run any other way (a custom
+        loop over ``train_step``, ``train_function`` called outside fit) is accounted at
+        q = 1 (see ``make_train_function``)."""
         state = (expected_micro_batch_size, sampling_probability, poisson)
         if getattr(self, "_dp_sampling", None) != state:
             # q and the expected batch size are baked into the traced step: retrace on change.
             self.train_function = None
         self._dp_sampling = state
+
+    def make_train_function(self, force=False):
+        """Keras' train function, whose steps take the sampling ``fit`` / ``train_on_batch``
+        declared (``_dp_set_sampling``) while one of them runs it. Called at any other time
+        (after fit returned), it runs the step without that sampling: q = 1."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        declared = self._make_function(self._dp_declared_step)
+        undeclared = []
+
+        def train_function(iterator):
+            if self.__dict__.get("_dp_in_keras_loop", False):
+                return declared(iterator)
+            if not undeclared:
+                undeclared.append(self._make_function(self.train_step))
+            return undeclared[0](iterator)
+
+        self.train_function = train_function
+        return train_function
+
+    def _dp_declared_step(self, data):
+        """``train_step`` with the sampling declared by fit / train_on_batch (read when the
+        step is traced, or at every call when eager)."""
+        stack = _active_sampling_stack()
+        stack.append((self, getattr(self, "_dp_sampling", None)))
+        try:
+            return self.train_step(data)
+        finally:
+            stack.pop()
 
     # ------------------------------------------------------------------ the private step
 
@@ -489,9 +627,13 @@ class DPTrainMixin:
         With ``gradient_accumulation_steps = k`` the batch is processed as k micro-batches in
         a sequential loop (only one micro-batch's activations live at a time); their clipped
         sums are added up and the optimizer adds noise once and records the step with the q
-        the model was told (q = 1, no amplification, if it was told nothing).
+        that fit / train_on_batch declared for the steps of Keras' train function they run
+        (q = 1, no amplification, for any other step: a custom loop, before or after fit).
         """
-        expected, q, _ = getattr(self, "_dp_sampling", None) or (None, None, False)
+        # The sampling declared by fit / train_on_batch applies only to the steps of Keras'
+        # train function they run (``_dp_declared_step``); any other step (a custom loop over
+        # train_step, eager or traced, before or after a fit) was not sampled by tf_dp: q = 1.
+        expected, q, _ = _active_sampling(self) or (None, None, False)
         phase = None
         if isinstance(q, tuple):
             # A batch-size schedule: every batch comes with the phase it was sampled in.
@@ -509,6 +651,7 @@ class DPTrainMixin:
         opt = _dp_optimizer_of(self.optimizer)
         if opt is None:
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
+        self._dp_claim_variables()
         carrier = carriers.carrier_for(self)
         carrier.begin_step()  # RGP: carriers of this step, from the historical update
         variables = carrier.privatized
@@ -690,6 +833,102 @@ def _empty_history(model):
     history.on_train_begin()
     model.history = history
     return history
+
+
+_SHARED_COMPOSED = (
+    "tf_dp: two private models trained the same variables under different budgets (each "
+    "had spent steps of its own): their steps are composed in the budget they now share.")
+
+#: id(variable) -> (weakref to the variable, the budget its private steps are spent in).
+_VARIABLE_BUDGETS = {}
+_CLAIM_LOCK = threading.RLock()
+
+
+def _forget_variable(key):
+    def forget(ref):
+        with _CLAIM_LOCK:
+            entry = _VARIABLE_BUDGETS.get(key)
+            if entry is not None and entry[0] is ref:
+                del _VARIABLE_BUDGETS[key]
+    return forget
+
+
+_ACTIVE = threading.local()
+
+
+def _active_sampling_stack():
+    """This thread's (model, declared sampling) of the Keras train steps being run (a
+    replica of tf.distribute runs its step in a thread of its own)."""
+    stack = getattr(_ACTIVE, "stack", None)
+    if stack is None:
+        stack = _ACTIVE.stack = []
+    return stack
+
+
+def _active_sampling(model):
+    for owner, sampling in reversed(_active_sampling_stack()):
+        if owner is model:
+            return sampling
+    return None
+
+
+class _declared_sampling:
+    """While fit / train_on_batch runs Keras' train function, that function's steps take
+    the declared sampling (``make_train_function``)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __enter__(self):
+        self._before = self._model.__dict__.get("_dp_in_keras_loop", False)
+        object.__setattr__(self._model, "_dp_in_keras_loop", True)
+
+    def __exit__(self, *exc):
+        object.__setattr__(self._model, "_dp_in_keras_loop", self._before)
+        return False
+
+
+class _BudgetCheckpoint(tf.__internal__.tracking.Trackable):
+    """The model's spent budget in a ``tf.train.Checkpoint`` (and ``CheckpointManager``) of
+    the model: saved as its JSON config beside the weights; restoring merges it into the
+    model's budget (``PrivacyBudget.merge``: the larger record, never a lower one), as loading
+    a .keras or .weights.h5 file does."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def _serialize_to_tensors(self):
+        with tf.init_scope():  # the drain reads the ledger on the host
+            model = self._model()
+            blob = "" if model is None else json.dumps(model.privacy_budget.get_config())
+            value = tf.constant(blob, dtype=tf.string)
+        return {"record": value}
+
+    def _restore_from_tensors(self, restored_tensors):
+        value = restored_tensors["record"]
+        if not tf.executing_eagerly() or not hasattr(value, "numpy"):
+            raise RuntimeError(
+                "tf_dp: a private model's spent budget can only be restored from a "
+                "tf.train.Checkpoint eagerly (not inside a tf.function or graph).")
+        blob = value.numpy().decode()
+        model = self._model()
+        if blob and model is not None:
+            model.privacy_budget.merge(json.loads(blob))
+        return tf.no_op()
+
+    def _copy_trackable_to_cpu(self, object_map):
+        # Async checkpoints (CheckpointOptions(experimental_enable_async_checkpoint=True))
+        # copy the state to save: the budget at the time of the save.
+        copy = _FrozenBudget(self._serialize_to_tensors()["record"])
+        object_map[self] = copy
+
+
+class _FrozenBudget(tf.__internal__.tracking.Trackable):
+    def __init__(self, value):
+        self._value = value
+
+    def _serialize_to_tensors(self):
+        return {"record": self._value}
 
 
 class _StoreWithout:

@@ -1,0 +1,211 @@
+"""Accounting gaps found by an audit (probes in the audit's p1, p3, p6, p11), each closed:
+
+* #2 fit's sampling rate applies to fit's own steps only: a custom loop over ``train_step``
+  after fit (or after train_on_batch / evaluate, or after a fit that raised) is accounted at
+  q = 1, the rule for steps tf_dp did not sample;
+* #3 replacing ``model.optimizer`` by assignment is refused (compile() is the way, and it
+  keeps accounting the old optimizer's steps, also those of functions traced before it);
+* #4 ``tf.train.Checkpoint`` / ``CheckpointManager`` of a private model carry its spent
+  budget, and restoring merges it (never lowers it);
+* #6 two private models over the same variables share one budget that counts both models'
+  steps (never half of them each).
+"""
+
+import gc
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_dp  # noqa: E402
+from tf_dp.accounting import PrivacyAccountant  # noqa: E402
+
+SIGMA = 1.0
+
+
+def _data(n=100, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    return x, (x @ rng.normal(size=(5, 1))).astype("float32")
+
+
+def _base():
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def _compile(model, sigma=SIGMA):
+    model.compile(optimizer=tf_dp.DPSGD(1.0, sigma, learning_rate=0.01), loss="mse")
+    return model
+
+
+def _model():
+    return _compile(tf_dp.keras.make_private(_base()))
+
+
+def _phases(model):
+    return [(p["sampling_probability"], p["count"])
+            for p in model.accountant.get_config()["phases"]]
+
+
+def _epsilon(*phases, delta=1e-5):
+    acc = PrivacyAccountant()
+    for q, count in phases:
+        acc.step(noise_multiplier=SIGMA, sampling_probability=q, count=count)
+    return acc.epsilon(delta)
+
+
+# ---------------------------------------------------------------- #2 fit's q is fit's only
+
+
+def test_steps_outside_fit_are_accounted_at_q_1():
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)          # 5 steps at q = 0.2
+    (q_fit, n_fit), = _phases(model)
+    assert n_fit == 5 and q_fit == pytest.approx(0.2)
+    batch = (tf.constant(x), tf.constant(y))
+    model.train_step(batch)                                      # eager custom loop
+    step = tf.function(model.train_step)                         # traced after fit
+    step(batch)
+    step(batch)
+    want = [(q_fit, 5), (1.0, 3)]
+    assert _phases(model) == want
+    np.testing.assert_allclose(model.epsilon(), _epsilon(*want), rtol=1e-9)
+
+    # Keras' train function made by fit, called directly after fit: not fit's sampling.
+    model.train_function(iter([batch]))
+    assert _phases(model) == [(q_fit, 5), (1.0, 4)]
+
+    # evaluate, then train_on_batch (q = 1 by its rule), then a custom step: all q = 1.
+    model.evaluate(x, y, verbose=0)
+    model.train_step(batch)
+    model.train_on_batch(x, y)
+    model.train_step(batch)
+    assert _phases(model) == [(q_fit, 5), (1.0, 7)]
+
+    # A later fit still gets its own q (and its steps only).
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    step(batch)
+    assert _phases(model) == [(q_fit, 5), (1.0, 7), (q_fit, 5), (1.0, 1)]
+
+
+def test_steps_after_a_fit_that_raised_are_accounted_at_q_1():
+    x, y = _data()
+    model = _model()
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[Stop()])
+    (q_fit, n_fit), = _phases(model)
+    assert n_fit == 2 and q_fit == pytest.approx(0.2)
+    model.train_step((tf.constant(x), tf.constant(y)))
+    assert _phases(model) == [(q_fit, 2), (1.0, 1)]
+
+
+# ---------------------------------------------------------------- #3 optimizer replacement
+
+
+def test_assigning_the_optimizer_is_refused_and_compile_loses_no_step():
+    x, y = _data()
+    model = _model()
+    step = tf.function(model.train_step)
+    batch = (x[:16], y[:16])
+    for _ in range(3):
+        step(batch)
+    old = model.optimizer
+    with pytest.raises(AttributeError, match=r"model\.optimizer.*compile\(\)"):
+        model.optimizer = tf_dp.DPSGD(1.0, SIGMA, learning_rate=0.01)
+    assert model.optimizer is old
+    assert _phases(model) == [(1.0, 3)]
+    model.optimizer = old                      # the same object: nothing changes, accepted
+
+    # compile() replaces it: the old optimizer's steps are accounted, and so are those it
+    # still applies through the function traced before the compile.
+    _compile(model)
+    assert model.optimizer is not old
+    step(batch)
+    model.train_step(batch)                    # the new optimizer
+    assert _phases(model) == [(1.0, 5)]
+    assert old._dp_ledger.pending() == 0
+    np.testing.assert_allclose(model.epsilon(), _epsilon((1.0, 5)), rtol=1e-9)
+
+
+# ---------------------------------------------------------------- #4 tf.train.Checkpoint
+
+
+def test_tf_train_checkpoint_carries_the_budget_and_never_lowers_it(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)          # 5 steps
+    saved = _phases(model)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+
+    fresh = _model()
+    tf.train.Checkpoint(model=fresh).restore(path).assert_existing_objects_matched()
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), fresh.get_weights()))
+    assert _phases(fresh) == saved
+    assert fresh.privacy_report()["steps"] == 5
+
+    # The older checkpoint restored into the model that trained on keeps the larger record.
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)          # 10 steps
+    tf.train.Checkpoint(model=model).restore(path)
+    assert model.accountant.steps == 10
+
+    # CheckpointManager (the usual custom-loop checkpointing), model and optimizer.
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(tmp_path / "m"), 2)
+    manager.save()
+    other = _model()
+    restored = tf.train.Checkpoint(model=other, optimizer=other.optimizer)
+    restored.restore(manager.latest_checkpoint)
+    assert other.accountant.steps == 10
+    np.testing.assert_allclose(other.epsilon(), model.epsilon(), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- #6 shared variables
+
+
+def test_two_private_models_over_the_same_variables_share_one_budget():
+    x, y = _data()
+    base = _base()
+    a = tf_dp.keras.make_private(base)
+    b = tf_dp.keras.make_private(base)
+    assert a.trainable_variables[0] is b.trainable_variables[0]
+    _compile(a)
+    with pytest.warns(UserWarning, match="share one privacy budget"):
+        _compile(b)
+    a.fit(x, y, batch_size=20, epochs=1, verbose=0)             # 5 steps
+    b.fit(x, y, batch_size=20, epochs=1, verbose=0)             # 5 more on the same weights
+    (q, _), = _phases(a)
+    for model in (a, b):
+        assert _phases(model) == [(q, 10)]
+        np.testing.assert_allclose(model.epsilon(), _epsilon((q, 10)), rtol=1e-9)
+
+
+def test_a_shared_trunk_counts_both_heads_steps_even_after_a_model_is_gone():
+    x, y = _data()
+    inputs = keras.Input((5,))
+    trunk = keras.layers.Dense(3, activation="tanh")
+    a = _compile(tf_dp.keras.make_private(keras.Model(inputs, keras.layers.Dense(1)(
+        trunk(inputs)))))
+    batch = (tf.constant(x[:10]), tf.constant(y[:10]))
+    for _ in range(3):
+        a.train_step(batch)
+    del a
+    gc.collect()
+    # A second model over the same trunk, whose first private model is gone: its weights
+    # still carry those 3 steps.
+    with pytest.warns(UserWarning, match="share one privacy budget"):
+        b = _compile(tf_dp.keras.make_private(keras.Model(inputs, keras.layers.Dense(1)(
+            trunk(inputs)))))
+    b.train_step(batch)
+    assert _phases(b) == [(1.0, 4)]
