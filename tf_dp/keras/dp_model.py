@@ -652,6 +652,7 @@ class DPTrainMixin:
         if opt is None:
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
         self._dp_claim_variables()
+        _note_custom_code(self, opt)
         carrier = carriers.carrier_for(self)
         carrier.begin_step()  # RGP: carriers of this step, from the historical update
         variables = carrier.privatized
@@ -959,6 +960,43 @@ def _dp_optimizer_of(optimizer):
     inner = getattr(optimizer, "inner_optimizer", None)
     return inner if isinstance(inner, DPOptimizerMixin) else None
 
+
+def custom_code(model) -> list:
+    """Names of the layers of ``model`` (itself included) whose ``call`` is code from outside
+    Keras and tf_dp: custom layer classes, ``Lambda`` functions, a subclassed model's
+    ``call``. Their per-example independence is checked on the first batch only."""
+    names = set()
+    for layer in _internals.all_layers(model, include_self=True):
+        if isinstance(layer, keras.layers.Lambda):
+            names.add(f"Lambda({getattr(layer.function, '__name__', '?')})")
+            continue
+        owner = next((c for c in type(layer).__mro__ if "call" in c.__dict__), None)
+        module = (getattr(owner, "__module__", None) or "") if owner is not None else "keras."
+        if not module.startswith(("keras.", "tf_dp.", "tensorflow.")):
+            names.add(type(layer).__name__)
+    return sorted(names)
+
+
+def _note_custom_code(model, opt):
+    """The PER_EXAMPLE_ASSUMED caveat when custom code runs on a path that computes
+    per-example quantities from the batched forward and backward pass (every strategy but
+    the vectorized one, which runs each example alone)."""
+    from tf_dp.core import norm_strategies  # noqa: PLC0415
+
+    if isinstance(opt.norm_strategy, norm_strategies.Vectorized):
+        return
+    names = custom_code(model)
+    if names:
+        model._dp_caveat(_PER_EXAMPLE_CAVEAT.format(names=", ".join(names)))
+
+
+_PER_EXAMPLE_CAVEAT = (
+    "PER_EXAMPLE_ASSUMED: custom code ({names}) runs in a step whose per-example norms come "
+    "from the batched pass (layer formulas or JL). tf_dp checked on the first batch that the "
+    "model acts on each example separately; code that mixes examples only for some input "
+    "values passes that check, so the guarantee assumes this code never mixes examples. "
+    "norm_strategy='vmap' runs every example alone and needs no such assumption "
+    "(docs/privacy.md).")
 
 _SEEDED_CAVEAT = (
     "SEEDED: a DP optimizer or sampler of this run was given a seed: anyone holding the seed "
