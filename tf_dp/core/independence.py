@@ -29,6 +29,15 @@ Not seen: mixing that only occurs at batch positions or sizes the probe does not
 or that is below the tolerance; random ops outside Keras seed generators make the passes
 incomparable (the check then warns and lets training go on).
 
+A per-example model can still break the ghost-norm rules, which take row k of a layer's
+input and of its output gradient as example k's: a layer applied time-major (T == B) or to a
+batch rolled, reversed, gathered or sorted along axis 0 and put back in order afterwards.
+:func:`check_ghost_rows_are_examples` (run by :func:`check_before_private_training` when the
+norms come from ghost rules) replaces sets of examples and requires, for every call of every
+layer the rules capture, that only the replaced rows of its inputs and outputs move and that
+row k of its output gradient carries example k's loss alone; a leading axis that is not the
+batch's is probed again at its own length.
+
 Preprocessing layers fitted with ``adapt`` (:func:`adapted_preprocessing_layers`) hold
 statistics of whatever data they were adapted on; on the private training data these are
 released with the model outside the privacy guarantee, so they get a warning
@@ -126,28 +135,39 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
 
 def check_before_private_training(model: keras.Model, x, y=None, sample_weight=None,
                                   per_example_loss: Callable = None,
-                                  variables: Optional[Sequence] = None) -> bool:
+                                  variables: Optional[Sequence] = None,
+                                  norm_strategy=None) -> bool:
     """:func:`check_per_example_independence` on the first rows of training input ``x``, once
-    per model architecture (its layers and their ``trainable`` flags). For a PoissonSampler
-    (or a dataset made by one) the rows are the data's first rows, not a sampled batch.
+    per model architecture (its layers and their ``trainable`` flags), and, when the norms
+    come from ghost rules, :func:`check_ghost_rows_are_examples` on the same rows. For a
+    PoissonSampler (or a dataset made by one) the rows are the data's first rows, not a
+    sampled batch.
 
     ``x`` is anything ``fit`` / ``train_on_batch`` accept: arrays or tensors (nested), a
     ``tf_dp.data.PoissonSampler``, a ``tf.data.Dataset`` of batches (its first batch is
     read), a ``keras.utils.PyDataset`` (its batch 0); a Python generator cannot be peeked
     at without consuming it, so it gets a warning instead.
 
+    ``norm_strategy``: the strategy of the private step (default: the one of the model's
+    compiled DP optimizer; if there is none, the ghost-row check runs). Every strategy but
+    ``"vectorized"`` / ``"vmap"`` uses the ghost rules.
+
     Returns:
-      True if the check ran (and passed), False if this architecture had already passed it or
-      the input cannot be read ahead or has fewer than two rows to compare (then with a
+      True if a check ran (and passed), False if this architecture had already passed them
+      or the input cannot be read ahead or has fewer than two rows to compare (then with a
       warning; the next call tries again).
 
     Raises:
-      ValueError: as :func:`check_per_example_independence`.
+      ValueError: as :func:`check_per_example_independence` and
+        :func:`check_ghost_rows_are_examples`.
     """
     if per_example_loss is None:
         raise ValueError("`per_example_loss` is required.")
     signature = _architecture(model)
-    if _CHECKED.get(model) == signature:
+    independent = _CHECKED.get(model) == signature
+    rows_done = (_ROWS_CHECKED.get(model) == signature
+                 or not _uses_ghost_rules(model, norm_strategy))
+    if independent and rows_done:
         return False
     probe = _first_batch(x, y, sample_weight)
     if probe is None:
@@ -159,30 +179,43 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
     # structure): the sampler's raw rows may not fit the model. Then its own batches serve: a
     # few of them, concatenated (fresh Poisson draws; nothing is replayed).
     fallback = isinstance(x, tf.data.Dataset)
-    with warnings.catch_warnings(record=fallback) as first_warnings:
+    sampled = []
+
+    def attempt(check):
+        with warnings.catch_warnings(record=fallback) as first_warnings:
+            if fallback:
+                warnings.simplefilter("always")
+            ran = check(model, *probe, per_example_loss, variables=variables)
+        if fallback and not ran:
+            if not sampled:
+                sampled.append(_sampled_rows(x))
+            if sampled[0] is not None:
+                return check(model, *sampled[0], per_example_loss, variables=variables)
         if fallback:
-            warnings.simplefilter("always")
-        ran = check_per_example_independence(model, *probe, per_example_loss,
-                                             variables=variables)
-    sampled = _sampled_rows(x) if fallback and not ran else None
-    if sampled is not None:
-        ran = check_per_example_independence(model, *sampled, per_example_loss,
-                                             variables=variables)
-    elif fallback:
-        for caught in first_warnings:
-            warnings.warn(caught.message, caught.category, stacklevel=3)
-    if not ran:
-        # Fewer than 2 real rows (a small Poisson batch, batches of one), or the model could
-        # not be called: nothing was compared, so the model is NOT marked as checked.
-        _warn_unchecked("the check did not run (fewer than 2 rows with non-zero sample "
-                        "weight to compare, or the model could not be called on them)",
-                        stacklevel=3)
-        return False
-    _CHECKED[model] = signature
-    return True
+            for caught in first_warnings:
+                warnings.warn(caught.message, caught.category, stacklevel=4)
+        return ran
+
+    ran = False
+    if not independent:
+        if not attempt(check_per_example_independence):
+            # Fewer than 2 real rows (a small Poisson batch, batches of one), or the model
+            # could not be called: nothing was compared, so the model is NOT marked as checked.
+            _warn_unchecked("the check did not run (fewer than 2 rows with non-zero sample "
+                            "weight to compare, or the model could not be called on them)",
+                            stacklevel=3)
+            return False
+        _CHECKED[model] = signature
+        ran = True
+    if not rows_done and attempt(check_ghost_rows_are_examples):
+        # Not marked when it could not compare (it warned): the next call tries again.
+        _ROWS_CHECKED[model] = signature
+        ran = True
+    return ran
 
 
 _CHECKED = weakref.WeakKeyDictionary()  # model -> architecture it last passed the check with
+_ROWS_CHECKED = weakref.WeakKeyDictionary()  # the same for check_ghost_rows_are_examples
 
 
 def _architecture(model):
@@ -427,20 +460,22 @@ def _masked(coef, rows):
     return out
 
 
+def _relaxed(t):
+    """The spec of ``t`` with an unknown batch size (None: not a tensor)."""
+    if isinstance(t, tf.Tensor):
+        return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
+    if isinstance(t, tf.RaggedTensor):
+        return tf.RaggedTensorSpec([None] + t.shape[1:].as_list(), t.dtype, t.ragged_rank,
+                                   t.row_splits.dtype)
+    return None
+
+
 def _compiled_pass(pass_fn, replay, xs, ys):
     """``pass_fn(x, y, coef)`` traced once for any batch size (inputs shaped like ``xs``,
     ``ys``); each call replays the random state first and returns a ``_Pass``."""
 
-    def relaxed(t):
-        if isinstance(t, tf.Tensor):
-            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
-        if isinstance(t, tf.RaggedTensor):
-            return tf.RaggedTensorSpec([None] + t.shape[1:].as_list(), t.dtype, t.ragged_rank,
-                                       t.row_splits.dtype)
-        return None
-
-    x_spec = tf.nest.map_structure(relaxed, xs)
-    y_spec = tf.nest.map_structure(relaxed, ys) if ys is not None else None
+    x_spec = tf.nest.map_structure(_relaxed, xs)
+    y_spec = tf.nest.map_structure(_relaxed, ys) if ys is not None else None
     specs = tf.nest.flatten((x_spec, y_spec))
     coef_spec = tf.TensorSpec([None], tf.float64)
     if ys is None:
@@ -469,6 +504,453 @@ def _compiled_pass(pass_fn, replay, xs, ys):
         return _Pass(list(outputs), losses, list(grads))
 
     return run
+
+
+# ------------------------------------------------------------------ ghost rows are examples
+
+# Largest batch the row check builds: a ghost-rule layer whose input has a fixed leading axis
+# of L entries (not the batch: a time-major layout) is probed again on a batch of L rows.
+_ROW_PROBE_MAX = 1024
+
+_ROWS_WHY = (
+    "Its per-example gradient norms would then be norms of rows, not of examples, and one "
+    "example could move the clipped sum by more than l2_norm_clip (the reported epsilon "
+    "would not hold).")
+_ROWS_WHAT_TO_DO = (
+    "Keep the batch axis first and in order around this layer (no transpose, roll, reverse, "
+    "gather or sort over the batch axis, no time-major layout), or compile the DP optimizer "
+    "with norm_strategy=\"vmap\" (exact per-example gradients, which need only a per-example "
+    "model).")
+
+
+def check_ghost_rows_are_examples(model: keras.Model, x, y, sample_weight,
+                                  per_example_loss: Callable,
+                                  variables: Optional[Sequence] = None,
+                                  num_rows: int = DEFAULT_NUM_ROWS,
+                                  rtol: float = DEFAULT_RTOL) -> bool:
+    """Raises ``ValueError`` if a layer with a ghost-norm rule does not see the batch's
+    examples, in order, as the rows of its input and of its output gradient.
+
+    A ghost rule (``tf_dp.core.ghost``) forms example k's gradient of its layer's weights
+    from row k of the layer's input and row k of the gradient at its output. A model can be
+    per-example overall (:func:`check_per_example_independence` passes) and still feed such a
+    layer a tensor whose rows are not its examples: ``Dense`` applied time-major
+    (``transpose(x, [1, 0, 2])`` with as many steps as examples), to a batch rolled, reversed,
+    gathered or sorted along axis 0 and put back in order after it, or followed by such a
+    permutation. The rule then clips rows, not examples: one example can move the clipped
+    sum by several times the clipping norm.
+
+    Tested on up to ``num_rows`` rows of a real batch (rows of sample weight 0 skipped), in
+    training mode, with random layers replayed (as :func:`check_per_example_independence`),
+    for every call of every layer ``tf_dp.core.ghost.capturable_layers`` lists that holds a
+    variable of ``variables``:
+
+    * inputs and outputs: for ``s`` rows, ``2 * ceil(log2 s)`` passes each replace a set of
+      examples S by other rows of the batch (the examples whose index has bit b set, and the
+      complement, for every bit b); every tensor of the call whose leading axis has ``s``
+      entries may change only at the rows in S. A row k that depends on an example m != k is
+      seen in the pass where m is in S and k is not.
+    * output gradients: the gradient at every floating output of the call of
+      ``sum_i c_i l_i`` and of ``sum_i c_i rho_i l_i`` (``c`` random, ``rho`` distinct
+      ratios): row k must be ``rho_k`` times the first at every row k, i.e. only example k's
+      loss reaches row k (a permutation after the layer, ``roll(Dense(x), 1, axis=0)``).
+    * a tensor of such a call whose leading axis has L != s entries (not the batch axis, but
+      equal to the batch size whenever a batch has L examples, as time-major steps) is probed
+      again on a batch of L rows (the rows repeated; L <= 1024, larger: a warning).
+
+    Not seen: a row that depends on another example only below the tolerance or only at
+    batch contents or sizes the probe does not produce; layers called inside a control-flow
+    body are checked with eager passes.
+
+    Returns:
+      True if the check ran and passed (or no layer has a rule), False if it could not
+      compare (fewer than 2 rows, the model could not be called, or its passes could not be
+      replayed; then with a warning).
+
+    Raises:
+      ValueError: naming the layer (and which call of a shared layer) whose rows are not the
+        batch's examples in order.
+    """
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 2:
+        raise ValueError(f"`num_rows` must be an integer >= 2, got {num_rows!r}.")
+    if not rtol > 0:
+        raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
+    probe = _probe_rows(x, y, sample_weight, num_rows)
+    if probe is None:
+        return False
+    xs, ys = probe
+    try:
+        if not _fully_built(model):
+            model(xs, training=False)  # create the variables before their state is saved
+    except Exception as err:  # noqa: BLE001 - the private step will report it properly
+        _warn_rows_unchecked(f"the model could not be called on {_num_rows(xs)} rows ({err})")
+        return False
+    layers = _ghost_layers(model, variables)
+    if not layers:
+        return True
+    if _low_precision(model):
+        rtol = max(rtol, _LOW_PRECISION_RTOL)
+    with _preserved_state(model) as replay:
+        return _RowChecker(model, layers, per_example_loss, replay, rtol).run(xs, ys)
+
+
+def _uses_ghost_rules(model, norm_strategy) -> bool:
+    """Whether the private step of ``model`` forms norms with ghost rules (True if unknown)."""
+    from tf_dp.core import norm_strategies
+
+    if norm_strategy is None:
+        try:
+            optimizer = getattr(model, "optimizer", None)
+        except Exception:  # noqa: BLE001 - not compiled
+            optimizer = None
+        for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            strategy = getattr(candidate, "norm_strategy", None)
+            if isinstance(strategy, norm_strategies.NormStrategy):
+                norm_strategy = strategy
+                break
+    if norm_strategy is None:
+        return True
+    try:
+        strategy = norm_strategies.get(norm_strategy)
+    except (ValueError, TypeError):
+        return True  # "jl" without its r, or unknown: check
+    return not isinstance(strategy, norm_strategies.Vectorized)
+
+
+def _ghost_layers(model, variables):
+    """The layers ghost rules capture in ``model`` that hold a variable of ``variables``."""
+    from tf_dp.core.ghost.capture import capturable_layers
+
+    wanted = set()
+    for v in (model.trainable_variables if variables is None else variables):
+        wanted.add(id(v))
+        wanted.add(id(getattr(v, "value", v)))
+    return [layer for layer in capturable_layers(model)
+            if any(id(w) in wanted for w in layer.weights)]
+
+
+@dataclasses.dataclass
+class _RowPass:
+    values: list  # flat recorded tensors, described by _RowChecker.layout
+    grads_1: list  # gradient of sum_i c_i l_i at each of _RowChecker.targets
+    grads_2: list  # of sum_i c_i rho_i l_i
+
+
+class _RowChecker:
+    """The passes and comparisons of one :func:`check_ghost_rows_are_examples`."""
+
+    def __init__(self, model, layers, per_example_loss, replay, rtol):
+        self.model, self.layers, self.loss = model, layers, per_example_loss
+        self.replay, self.rtol = replay, rtol
+        self.layout = []  # (layer, call number, "input"/"output", position) per value
+        self.targets = []  # indices of the values whose gradient is taken
+        self.inner = False  # a layer was called inside a control-flow body (not returned)
+        self.rng = np.random.default_rng(0x6057)
+
+    # -- passes -------------------------------------------------------------------------
+
+    def _pass(self, x, y, c1, c2):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        calls, counts = [], {}
+        tape = tf.GradientTape(persistent=True)
+
+        def make(layer, bound):
+            def call(*args, **kwargs):
+                out = bound(*args, **kwargs)
+                number = counts.get(id(layer), 0)
+                counts[id(layer)] = number + 1
+                if graph is not None and tf.compat.v1.get_default_graph() is not graph:
+                    self.inner = True  # a tensor of a loop body cannot leave the function
+                    return out
+                outs = _tensors(out)
+                for t in outs:
+                    if isinstance(t, tf.Tensor) and t.dtype.is_floating:
+                        tape.watch(t)
+                calls.append((layer, number, _tensors((args, kwargs)), outs))
+                return out
+            return call
+
+        with _patched_calls(self.layers, make):
+            with tape:
+                with tf.name_scope("tf_dp_ghost_rows_check"):
+                    y_pred = self.model(x, training=True)
+                losses = self.loss(y, y_pred, None)
+                objective_1 = tf.reduce_sum(losses * tf.cast(c1, losses.dtype))
+                objective_2 = tf.reduce_sum(losses * tf.cast(c2, losses.dtype))
+        layout, values = [], []
+        for layer, number, ins, outs in calls:
+            for kind, tensors in (("input", ins), ("output", outs)):
+                for position, t in enumerate(tensors):
+                    layout.append((layer, number, kind, position))
+                    values.append(t)
+        targets = [i for i, (t, place) in enumerate(zip(values, layout))
+                   if place[2] == "output" and isinstance(t, tf.Tensor)
+                   and t.dtype.is_floating]
+        self.layout, self.targets = layout, targets
+        wrt = [values[i] for i in targets]
+        zero = tf.UnconnectedGradients.ZERO
+        grads_1 = tape.gradient(objective_1, wrt, unconnected_gradients=zero)
+        grads_2 = tape.gradient(objective_2, wrt, unconnected_gradients=zero)
+        dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]  # noqa: E731
+        return values, dense(grads_1), dense(grads_2)
+
+    def _runner(self, xs, ys):
+        """``run(x, y, c1, c2) -> _RowPass``: one trace for any batch size (eager passes if
+        a layer is called inside a control-flow body), the random state replayed first."""
+        x_spec = tf.nest.map_structure(_relaxed, xs)
+        y_spec = tf.nest.map_structure(_relaxed, ys) if ys is not None else None
+        coef = tf.TensorSpec([None], tf.float64)
+        if ys is None:
+            fn = lambda x, c1, c2: self._pass(x, None, c1, c2)  # noqa: E731
+            signature = [x_spec, coef, coef]
+        else:
+            fn, signature = self._pass, [x_spec, y_spec, coef, coef]
+        if any(s is None for s in tf.nest.flatten((x_spec, y_spec))):
+            traced = tf.function(fn, reduce_retracing=True)
+        else:
+            traced = tf.function(fn, input_signature=signature)
+        state = {"fn": traced}
+
+        def call(fn, args):
+            if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+                strategy = tf.distribute.get_strategy()
+                return strategy.experimental_local_results(strategy.run(fn, args=args))[0]
+            return fn(*args)
+
+        def run(x, y, c1, c2):
+            c1, c2 = tf.constant(c1, tf.float64), tf.constant(c2, tf.float64)
+            args = (x, c1, c2) if ys is None else (x, y, c1, c2)
+            _replay(self.replay)
+            values, grads_1, grads_2 = call(state["fn"], args)
+            if self.inner and state["fn"] is traced:
+                state["fn"] = fn  # eager: every call is recorded
+                _replay(self.replay)
+                values, grads_1, grads_2 = call(fn, args)
+            return _RowPass(list(values), list(grads_1), list(grads_2))
+
+        return run
+
+    # -- the check ----------------------------------------------------------------------
+
+    def run(self, xs, ys):
+        n = _num_rows(xs)
+        donors = _donors(xs, n)
+        run = self._runner(xs, ys)
+        other_sizes = self._check_size(run, xs, ys, n, n, donors)
+        if other_sizes is None:
+            return False
+        for size in sorted(other_sizes):
+            if size > _ROW_PROBE_MAX:
+                _warn_rows_unchecked(
+                    f"a layer's input or output has a leading axis of {size} entries, not the "
+                    f"batch's (checked on {n} rows), too many to probe a batch of that size; "
+                    "if a batch ever has that many examples, its ghost rule would take those "
+                    "rows as examples")
+                continue
+            if self._check_size(run, xs, ys, size, n, donors) is None:
+                return False
+        return True
+
+    def _check_size(self, run, xs, ys, s, n, donors):
+        """Checks a batch of ``s`` rows (the ``n`` probe rows repeated). Returns the other
+        leading sizes seen (at s == n), or None if the passes could not be compared."""
+        base = [i % n for i in range(s)]
+        c1 = self.rng.uniform(0.5, 1.5, size=s)
+        rho = self.rng.permutation(np.linspace(0.5, 2.0, s))
+        c2 = c1 * rho
+        try:
+            ref = run(_take(xs, base), _take(ys, base), c1, c2)
+            layout = list(self.layout)
+            again = run(_take(xs, base), _take(ys, base), c1, c2)
+        except Exception as err:  # noqa: BLE001 - the private step will report it properly
+            _warn_rows_unchecked(f"the model could not be called on {s} rows ({err})")
+            return None
+        if not self._same(ref, again):
+            _warn_rows_unchecked("the forward pass is random in a way that cannot be replayed "
+                                 "(random ops outside Keras seed generators)")
+            return None
+        passes = [ref]
+        for subset in _subsets(s):
+            index = [donors[base[i]] if i in subset else base[i] for i in range(s)]
+            got = run(_take(xs, index), _take(ys, index), c1, c2)
+            if list(self.layout) != layout:
+                _warn_rows_unchecked("the layers were called differently when other examples "
+                                     "were in the batch")
+                return None
+            self._check_rows(ref, got, layout, subset, s, n)
+            passes.append(_RowPass([], got.grads_1, got.grads_2))  # values no longer needed
+        for result in passes:  # after the rows: a permuted input is named as such
+            self._check_gradients(result, layout, s, n, rho)
+        if s != n:
+            return set()
+        return {size for size in (_leading(t) for t in ref.values)
+                if size is not None and size >= 2 and size != s}
+
+    def _same(self, a, b):
+        if len(a.values) != len(b.values):
+            return False
+        for ta, tb in zip(a.values + a.grads_1, b.values + b.grads_1):
+            rows_a, rows_b = _row_matrix(ta), _row_matrix(tb)
+            if rows_a is None or rows_b is None:
+                continue
+            if np.any(_changed(rows_a, rows_b, self.rtol)):
+                return False
+        return True
+
+    def _check_rows(self, ref, got, layout, subset, s, n):
+        """Rows outside ``subset`` (the examples replaced) must not change."""
+        outside = np.ones(s, bool)
+        outside[sorted(subset)] = False
+        for place, ta, tb in zip(layout, ref.values, got.values):
+            if _leading(ta) != s or _leading(tb) != s:
+                continue
+            rows_a, rows_b = _row_matrix(ta), _row_matrix(tb)
+            if rows_a is None or rows_b is None:
+                continue
+            moved = np.flatnonzero(_changed(rows_a, rows_b, self.rtol) & outside)
+            if moved.size:
+                layer, number, kind, position = place
+                what = f"its {kind}" + (f" (tensor {position + 1} of the call)"
+                                         if position else "")
+                shown = sorted(subset)
+                detail = (f"row {int(moved[0])} of {what} changed when only examples "
+                          f"{shown[:8]}{' ...' if len(shown) > 8 else ''} of the batch were "
+                          "replaced")
+                raise ValueError(self._message(layer, number, kind, detail, s, n))
+
+    def _check_gradients(self, result, layout, s, n, rho):
+        """The output gradient's row k must hold example k's loss only."""
+        for index, g1, g2 in zip(self.targets, result.grads_1, result.grads_2):
+            if _leading(g1) != s:
+                continue
+            a = _row_matrix(g1)
+            b = _row_matrix(g2)
+            if a is None or b is None or not isinstance(a, np.ndarray):
+                continue
+            # Entries below the smallest normal number of the gradient's dtype have lost their
+            # relative precision (float16 gradients of small losses underflow): noise here.
+            floor = a.shape[1] * (4 * _TINY.get(g1.dtype, _TINY[tf.float32])) ** 2
+            mixed = np.flatnonzero(_changed(a * rho[:, None], b, self.rtol, floor))
+            if mixed.size:
+                layer, number, _, _ = layout[index]
+                detail = (f"the gradient at row {int(mixed[0])} of its output comes from the "
+                          f"losses of other examples than example {int(mixed[0])}")
+                raise ValueError(self._message(layer, number, "output-gradient", detail, s, n))
+
+    def _message(self, layer, number, kind, detail, s, n):
+        calls = 1 + max(place[1] for place in self.layout if place[0] is layer)
+        which = f" (its call {number + 1} of {calls}: a shared layer)" if calls > 1 else ""
+        where = (f"checked on {s} rows of the first batch" if s == n else
+                 f"checked on a batch of {s} rows repeating the first batch's {n}: on {n} rows "
+                 f"this layer already saw a leading axis of {s}, which is therefore not the "
+                 f"batch axis, yet its rule reads it as the batch whenever a batch has {s} "
+                 "examples")
+        return (f"tf_dp: the {kind} rows of layer {layer.name!r} ({type(layer).__name__}){which} "
+                f"are not the batch's examples in order: its ghost-norm rule takes row k of its "
+                f"input and of its output gradient as example k's, but {detail} ({where}, "
+                f"training=True). {_ROWS_WHY} {_ROWS_WHAT_TO_DO}")
+
+
+# The smallest normal number of each floating dtype (bfloat16 has float32's exponent range).
+_TINY = {tf.float16: 2.0 ** -14, tf.bfloat16: 2.0 ** -126, tf.float32: 2.0 ** -126,
+         tf.float64: 2.0 ** -1022}
+
+
+def _tensors(structure):
+    return [t for t in tf.nest.flatten(structure)
+            if isinstance(t, (tf.Tensor, tf.RaggedTensor))]
+
+
+def _leading(t):
+    if isinstance(t, tf.RaggedTensor):
+        return int(t.nrows())
+    if not isinstance(t, tf.Tensor) or t.shape.rank is None or t.shape.rank == 0:
+        return None
+    return int(t.shape[0]) if t.shape[0] is not None else int(tf.shape(t)[0])
+
+
+def _row_matrix(t):
+    """``t`` as float64 rows: an (s, -1) array, or a list of s 1-D arrays (ragged rows)."""
+    if isinstance(t, tf.RaggedTensor):
+        return [_as_float(np.ravel(_flat(t[k]))) for k in range(int(t.nrows()))]
+    if not isinstance(t, tf.Tensor) or t.shape.rank is None or t.shape.rank == 0:
+        return None
+    return _as_float(np.asarray(_flat(t))).reshape(int(tf.shape(t)[0]), -1)
+
+
+def _flat(t):
+    if isinstance(t, tf.RaggedTensor):
+        t = t.flat_values
+    if t.dtype == tf.string:
+        t = tf.strings.to_hash_bucket_fast(t, 2**31)
+    return t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+
+
+def _as_float(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def _changed(a, b, rtol, floor=0.0):
+    """Which rows of ``a`` and ``b`` differ, relative to the row (``rtol``) and, for rows
+    near zero, to the largest row (``rtol / 10``); squared differences up to ``floor`` are
+    noise."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape:
+        diff = np.sum(np.square(a - b), axis=1)
+        norm = np.maximum(np.sum(np.square(a), axis=1), np.sum(np.square(b), axis=1))
+    else:
+        if len(a) != len(b):
+            return np.ones(max(len(a), len(b)), bool)
+        diff, norm = [], []
+        for ra, rb in zip(a, b):
+            ra, rb = np.ravel(ra), np.ravel(rb)
+            if ra.shape != rb.shape:
+                diff.append(np.inf)
+                norm.append(0.0)
+                continue
+            diff.append(np.sum(np.square(ra - rb)))
+            norm.append(max(np.sum(np.square(ra)), np.sum(np.square(rb))))
+        diff, norm = np.asarray(diff, np.float64), np.asarray(norm, np.float64)
+    if norm.size == 0:
+        return np.zeros(0, bool)
+    scale = np.max(norm[np.isfinite(norm)], initial=0.0)
+    with np.errstate(invalid="ignore"):
+        return diff > rtol ** 2 * norm + (rtol / 10) ** 2 * scale + floor
+
+
+def _subsets(s):
+    """Sets of rows such that for every two rows m != k one set holds m and not k."""
+    out = []
+    for bit in range(max(1, int(np.ceil(np.log2(s))))):
+        ones = {i for i in range(s) if (i >> bit) & 1}
+        for subset in (ones, set(range(s)) - ones):
+            if subset and len(subset) < s:
+                out.append(subset)
+    return out
+
+
+def _donors(xs, n):
+    """For each of the ``n`` rows, the next row with different content (itself if none)."""
+    leaves = [t for t in tf.nest.flatten(xs) if t is not None]
+    keys = []
+    for k in range(n):
+        parts = []
+        for t in leaves:
+            row = _flat(t[k]) if tf.is_tensor(t) else np.asarray(t[k])
+            parts.append(np.asarray(row).tobytes() + repr(np.shape(row)).encode())
+        keys.append(b"|".join(parts))
+    donors = []
+    for k in range(n):
+        donor = next((d % n for d in range(k + 1, k + n) if keys[d % n] != keys[k]), k)
+        donors.append(donor)
+    return donors
+
+
+def _warn_rows_unchecked(reason, stacklevel=5):
+    warnings.warn("tf_dp: could not check that the layers with ghost-norm rules see the "
+                  f"batch's examples in order as their rows: {reason}. A layer fed a "
+                  "transposed or batch-permuted tensor would be clipped per row, not per "
+                  "example (norm_strategy=\"vmap\" does not rely on rows).", UserWarning,
+                  stacklevel=stacklevel)
 
 
 # ------------------------------------------------------------------ probe rows, comparisons
