@@ -13,6 +13,7 @@
 
 import gc
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -209,3 +210,7 @@ def test_a_shared_trunk_counts_both_heads_steps_even_after_a_model_is_gone():
             trunk(inputs)))))
     b.train_step(batch)
     assert _phases(b) == [(1.0, 4)]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
