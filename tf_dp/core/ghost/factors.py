@@ -418,9 +418,22 @@ def _formed_before_the_backward_goes_on(per, dzs, first):
                 stack.append(r)
             elif r._id >= oldest:  # noqa: SLF001
                 return  # possibly downstream of an output gradient
+    # A reader that is itself upstream of one of the output gradients (a layer applied to
+    # its own output: the gradient at its first call's output is formed by the backward
+    # pass through its second call, which reads the second call's output gradient) would
+    # wait for ``per``, which needs that gradient: a cycle ("nodes in a cycle", seen in the
+    # session 13 audit). Those readers keep their order.
+    upstream, stack = set(), [t.op for t in sources]
+    while stack:
+        op = stack.pop()
+        if op in upstream or (op._id < oldest and not op.control_inputs):  # noqa: SLF001
+            continue
+        upstream.add(op)
+        stack.extend(x.op for x in op.inputs)
+        stack.extend(op.control_inputs)
     for t in sources:
         for reader in t.consumers():
-            if reader._id < first and reader not in chain:  # noqa: SLF001
+            if reader._id < first and reader not in chain and reader not in upstream:  # noqa: SLF001
                 reader._add_control_input(per.op)  # noqa: SLF001
 
 
