@@ -108,6 +108,8 @@ def traced_step(model, x, y, jit_compile=False):
     """``model.train_step`` under tf.function with an unknown batch dimension."""
     import tensorflow as tf
 
+    if hasattr(model, "check_before_training"):  # what fit() runs before its first step
+        model.check_before_training(x, y)
     spec = [tf.TensorSpec([None, *x.shape[1:]], x.dtype),
             tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
     return tf.function(lambda a, b: model.train_step((a, b)), input_signature=spec,

@@ -212,6 +212,8 @@ def _worker(spec):
     if config == "baseline":
         res.set(raw_peak_mb=_maxrss_mb(), rss_mb=_status_kb("VmRSS") / 1024.0)
         return
+    if hasattr(model, "check_before_training"):  # what fit() runs before its first step
+        model.check_before_training(x, y)
     step = tf.function(lambda a, b: model.train_step((a, b)), input_signature=[x_spec, y_spec])
     t = time.perf_counter()
     float(step(x, y)["loss"])

@@ -149,6 +149,8 @@ def measure(model_name, config):
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)
+    if hasattr(model, "check_before_training"):  # what fit() runs before its first step
+        model.check_before_training(x, y)
     step = tf.function(lambda a, b: model.train_step((a, b)))
     for _ in range(FLAGS.warmup):
         float(step(x, y)["loss"])

@@ -114,6 +114,8 @@ def compiled_step(name, config, batch):
     x, y = tf.constant(x), tf.constant(y)
     spec = [tf.TensorSpec([None, *x.shape[1:]], x.dtype),
             tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
+    if hasattr(model, "check_before_training"):  # what fit() runs before its first step
+        model.check_before_training(x, y)
     step = tf.function(lambda a, b: model.train_step((a, b)), input_signature=spec)
     t = time.perf_counter()
     float(step(x, y)["loss"])

@@ -332,6 +332,7 @@ def _train_two_steps(opt):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 4)).astype("float32")
     y = rng.normal(size=(16, 1)).astype("float32")
+    model.check_before_training(x, y)  # before a traced custom loop (fit runs it itself)
     step = tf.function(lambda a, b: model.train_step((a, b)))
     for lo in (0, 8):
         step(x[lo:lo + 8], y[lo:lo + 8])

@@ -341,6 +341,7 @@ def test_noise_is_drawn_after_the_clipped_sums_it_is_added_to():
     model.compile(optimizer=tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0,
                                          learning_rate=0.1), loss="mse")
     model.optimizer.build(model.trainable_variables)
+    model.check_before_training(np.ones((4, 5), np.float32), np.zeros((4, 2), np.float32))
     graph = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([None, 5]), tf.TensorSpec([None, 2]))).graph
     draws = [op for op in graph.get_operations() if op.type == "StatelessRandomNormalV2"]

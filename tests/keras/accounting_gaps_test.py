@@ -118,6 +118,7 @@ def test_steps_after_a_fit_that_raised_are_accounted_at_q_1():
 def test_assigning_the_optimizer_is_refused_and_compile_loses_no_step():
     x, y = _data()
     model = _model()
+    model.check_before_training(x, y)  # before a traced custom loop (fit runs it itself)
     step = tf.function(model.train_step)
     batch = (x[:16], y[:16])
     for _ in range(3):

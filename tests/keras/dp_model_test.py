@@ -1050,6 +1050,7 @@ def test_the_private_step_is_traced_once():
 
     x = tf.constant(np.random.default_rng(0).normal(size=(8, 3)).astype("float32"))
     y = tf.constant(np.arange(8) % 2)
+    model.check_before_training(x, y)  # before a traced custom loop (fit runs it itself)
     before = [v.numpy().copy() for v in model.trainable_variables]
     for _ in range(2):
         step(x, y)

@@ -62,6 +62,7 @@ def test_train_on_batch_steps_are_accounted_without_amplification():
 def test_a_custom_loop_over_train_step_is_accounted():
     x, y = _data()
     model = _compiled(1.2)
+    model.check_before_training(x, y)  # a traced custom loop must run fit's model check first
     step = tf.function(model.train_step)
     for i in range(7):
         step((x[:16], y[:16]))

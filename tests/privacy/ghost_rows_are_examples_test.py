@@ -324,5 +324,25 @@ def test_the_check_is_skipped_under_vmap_and_runs_when_recompiled_with_ghost_rul
         model.train_on_batch(x, _targets(x))
 
 
+def test_a_traced_custom_loop_needs_the_model_check_first():
+    # fit and train_on_batch check the model before their first step, an eager train_step
+    # checks it itself; a step traced by a custom loop cannot (no data in the graph), so it
+    # is refused until the check ran for the model (session 13: the rows check and the
+    # independence check never ran on that path).
+
+    keras.utils.set_random_seed(2)
+    model = tf_dp.keras.make_private(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)]))
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0), loss="mse")
+    x = np.random.default_rng(3).normal(size=(8, 4)).astype(np.float32)
+    y = np.zeros((8, 1), np.float32)
+    step = tf.function(model.train_step)
+    with pytest.raises(ValueError, match="check_before_training"):
+        step((x, y))
+    model.check_before_training(x, y)
+    step((x, y))
+    assert int(model.optimizer.iterations) == 1
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

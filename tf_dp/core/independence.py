@@ -164,6 +164,7 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
     if per_example_loss is None:
         raise ValueError("`per_example_loss` is required.")
     signature = _architecture(model)
+    _ATTEMPTED[model] = signature
     independent = _CHECKED.get(model) == signature
     rows_done = (_ROWS_CHECKED.get(model) == signature
                  or not _uses_ghost_rules(model, norm_strategy))
@@ -216,6 +217,18 @@ def check_before_private_training(model: keras.Model, x, y=None, sample_weight=N
 
 _CHECKED = weakref.WeakKeyDictionary()  # model -> architecture it last passed the check with
 _ROWS_CHECKED = weakref.WeakKeyDictionary()  # the same for check_ghost_rows_are_examples
+#: model -> the architecture check_before_private_training last ran for (passed, refused or,
+#: with a warning, unable to compare)
+_ATTEMPTED = weakref.WeakKeyDictionary()
+
+
+def checks_attempted(model) -> bool:
+    """Whether :func:`check_before_private_training` ever ran for ``model``: a private step
+    traced before that would train a model nobody looked at for layers that mix examples
+    (fit and train_on_batch run it, again whenever the architecture changed; a traced
+    custom loop must call it first). Any earlier run counts: an unbuilt model gains layers
+    when it is built, after its check."""
+    return model in _ATTEMPTED
 
 
 def _architecture(model):

@@ -525,6 +525,17 @@ class DPTrainMixin:
                 "max_physical_batch_size) and would abort the process; training runs "
                 "without XLA.", UserWarning, stacklevel=3)
 
+    def check_before_training(self, x, y=None, sample_weight=None):
+        """Runs the checks ``fit`` runs before the first private step on a real batch
+        (``x``, ``y``: a few examples or more): layers that mix examples are refused, and,
+        where norms come from layer formulas, layers whose rows are not the batch's
+        examples in order (docs/privacy.md). Needed once before a private step traced by a
+        custom loop (``tf.function`` over ``train_step``), and after changing which layers
+        are trainable; ``fit`` and ``train_on_batch`` run it themselves. Compile first."""
+        if getattr(self, "_dp_loss", None) is None:
+            raise ValueError("Compile the model (with its loss) before check_before_training.")
+        self._dp_check_model(x, y, sample_weight)
+
     def _dp_check_model(self, x, y, sample_weight):
         """Before training: refuses layers that mix examples (a generic check on rows of the
         real input, once per architecture) and notes preprocessing adapted on data."""
@@ -653,6 +664,15 @@ class DPTrainMixin:
             raise TypeError("A private model must be compiled with a tf_dp DP optimizer.")
         self._dp_claim_variables()
         _note_custom_code(self, opt)
+        if not tf.executing_eagerly() and not independence.checks_attempted(self):
+            raise ValueError(
+                "tf_dp: this private step is being traced (a tf.function or a custom training "
+                "loop) for a model that was never checked for layers that mix examples (a "
+                "batch statistic, a time-major or batch-permuted layer: one example could "
+                "then move the update by more than the clipping norm). fit() and "
+                "train_on_batch() run the check themselves; before a traced custom loop, call "
+                "model.check_before_training(x, y) on a real batch (or run one step "
+                "eagerly), and again after changing which layers are trainable.")
         carrier = carriers.carrier_for(self)
         carrier.begin_step()  # RGP: carriers of this step, from the historical update
         variables = carrier.privatized
