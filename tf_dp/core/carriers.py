@@ -79,10 +79,9 @@ class LowRank(GradientCarrier):
         self.layers = list(layers)
         kernels = {id(layer.kernel) for layer in self.layers}
         self._privatized = [v for v in self.trainable if id(v) not in kernels]
-        self._masks = [None] * len(self._privatized)
+        self._plain = len(self._privatized)
         for layer in self.layers:
             self._privatized += list(layer.carrier_variables())
-            self._masks += list(layer.noise_masks())
 
     @property
     def privatized(self):
@@ -90,7 +89,14 @@ class LowRank(GradientCarrier):
 
     @property
     def noise_masks(self):
-        return self._masks
+        """The LSG masks as they are NOW, read at each access: ``begin_step`` recomputes them
+        from the current weights, and the noise must be masked like the clipped sum it is
+        added to. (A snapshot taken when the carrier was made, before ``begin_step``, left
+        every newly kept unit with a clipped sum and no noise: session 13 audit.)"""
+        masks = [None] * self._plain
+        for layer in self.layers:
+            masks += list(layer.noise_masks())
+        return masks
 
     def begin_step(self):
         for layer in self.layers:
