@@ -93,8 +93,9 @@ def data(name, n, rng):
 
 
 def compiled_step(name, config, batch):
-    """A traced ``(x, y) -> logs`` train step for one configuration, its batch and the wall
-    time of its first call (tracing included)."""
+    """A traced ``(x, y) -> logs`` train step for one configuration, its batch, the wall
+    time of its first call (tracing included) and that of the model checks fit() runs once
+    per architecture before it (``check_before_training``; 0 for non-private)."""
     keras.utils.set_random_seed(0)
     model, loss = MODELS[name]()
     dp = dict(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3)
@@ -114,15 +115,17 @@ def compiled_step(name, config, batch):
     x, y = tf.constant(x), tf.constant(y)
     spec = [tf.TensorSpec([None, *x.shape[1:]], x.dtype),
             tf.TensorSpec([None, *y.shape[1:]], y.dtype)]
+    t = time.perf_counter()
     if hasattr(model, "check_before_training"):  # what fit() runs before its first step
         model.check_before_training(x, y)
+    checks = time.perf_counter() - t
     step = tf.function(lambda a, b: model.train_step((a, b)), input_signature=spec)
     t = time.perf_counter()
     float(step(x, y)["loss"])
     first = time.perf_counter() - t
     for _ in range(2):
         step(x, y)
-    return step, x, y, first
+    return step, x, y, first, checks
 
 
 def main(argv):
@@ -133,7 +136,7 @@ def main(argv):
           f"{tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores, load "
           f"{os.getloadavg()[0]:.1f}, {FLAGS.threads} TF thread(s)")
     print(f"{'model':12s} {'configuration':14s} {'step (ms)':>10s} {'x non-private':>14s} "
-          f"{'first step (s)':>15s} {'x non-private':>14s}")
+          f"{'first step (s)':>15s} {'x non-private':>14s} {'checks (s)':>11s}")
     for name in FLAGS.models:
         # One-off costs of a process (TensorFlow's start-up; for the private step also the
         # AutoGraph conversion of the Keras train step): paid by throw-away models of batch 8,
@@ -144,7 +147,7 @@ def main(argv):
         steps = {c: compiled_step(name, c, FLAGS.batch_size) for c in FLAGS.configs}
         times = {c: [] for c in FLAGS.configs}
         for _ in range(FLAGS.steps):
-            for config, (step, x, y, _) in steps.items():
+            for config, (step, x, y, *_) in steps.items():
                 t = time.perf_counter()
                 float(step(x, y)["loss"])
                 times[config].append(time.perf_counter() - t)
@@ -156,7 +159,7 @@ def main(argv):
             first = steps[config][3]
             first_ratio = f"{first / first_base:14.2f}" if first_base else f"{'-':>14s}"
             print(f"{name:12s} {config:14s} {med[config] * 1e3:10.1f} {ratio} {first:15.2f} "
-                  f"{first_ratio}", flush=True)
+                  f"{first_ratio} {steps[config][4]:11.2f}", flush=True)
     print(f"(load average at the end: {os.getloadavg()[0]:.1f})")
 
 
