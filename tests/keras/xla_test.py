@@ -47,6 +47,31 @@ def test_the_private_step_compiles_with_xla(strategy):
     assert model.accountant.steps == 3
 
 
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier=0")
+def test_under_xla_a_non_finite_example_adds_nothing():
+    # XLA drops the CheckNumerics assertion that stops a step with a NaN or infinite
+    # per-example gradient: one example with an infinite loss gradient made every weight NaN,
+    # released whenever it was sampled (session 13 audit). Under XLA such an example gets
+    # clip factor 0: the update is that of the batch without it (sigma = 0 to compare).
+    def run(weights):
+        keras.utils.set_random_seed(1)
+        model = tf_dp.keras.make_private(keras.Sequential([
+            keras.Input((3,)), keras.layers.Dense(2, activation="tanh"), keras.layers.Dense(1)]))
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                            learning_rate=0.5), loss="mse", jit_compile=True)
+        x = np.random.default_rng(2).normal(size=(4, 3)).astype("float32")
+        y = np.random.default_rng(3).normal(size=(4, 1)).astype("float32")
+        x[0], y[0] = 0.0, 3.4e38  # d loss / d output = -inf
+        model.train_on_batch(x, y, sample_weight=weights)
+        return model.get_weights()
+
+    with_poison = run(np.ones(4, np.float32))
+    without = run(np.array([0.0, 1.0, 1.0, 1.0], np.float32))
+    for a, b in zip(with_poison, without):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_an_optimizer_with_slots_compiles_with_xla():
     """DPAdam's moments were created inside the traced step, under its conditionals, where
     XLA cannot lift them ("failed to lift variable creations"): non-private Adam compiled,
