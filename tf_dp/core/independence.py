@@ -110,11 +110,7 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
     from tf_dp.core import private_step  # the known offenders keep their specific message
 
     private_step.check_no_cross_example_layers(model)
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 2:
-        raise ValueError(f"`num_rows` must be an integer >= 2, got {num_rows!r}.")
-    if not rtol > 0:
-        raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
-    probe = _probe_rows(x, y, sample_weight, num_rows)
+    probe = _validated_probe(x, y, sample_weight, num_rows, rtol)
     if probe is None:
         return False
     xs, ys = probe
@@ -584,11 +580,7 @@ def check_ghost_rows_are_examples(model: keras.Model, x, y, sample_weight,
       ValueError: naming the layer (and which call of a shared layer) whose rows are not the
         batch's examples in order.
     """
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 2:
-        raise ValueError(f"`num_rows` must be an integer >= 2, got {num_rows!r}.")
-    if not rtol > 0:
-        raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
-    probe = _probe_rows(x, y, sample_weight, num_rows)
+    probe = _validated_probe(x, y, sample_weight, num_rows, rtol)
     if probe is None:
         return False
     xs, ys = probe
@@ -967,6 +959,15 @@ def _warn_rows_unchecked(reason, stacklevel=5):
 
 
 # ------------------------------------------------------------------ probe rows, comparisons
+
+
+def _validated_probe(x, y, sample_weight, num_rows, rtol):
+    """The checks' arguments validated, then ``_probe_rows``."""
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 2:
+        raise ValueError(f"`num_rows` must be an integer >= 2, got {num_rows!r}.")
+    if not rtol > 0:
+        raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
+    return _probe_rows(x, y, sample_weight, num_rows)
 
 
 def _probe_rows(x, y, sample_weight, num_rows):
