@@ -27,12 +27,13 @@ def test_subsampled_gaussian_profile_matches_quadrature(direction, eps):
     assert float(d) == pytest.approx(_quad_hockey(p, qq, eps, points=[0.0, mu]), abs=1e-10)
 
 
-def _jl_one_step_delta(eps, sigma, r):
-    """E_μ[Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)], μ = sqrt(r/X)/σ, X ~ χ²_r, by quad over X."""
+def _jl_one_step_delta(eps, sigma, r, tau=mechanisms.JL_ROUNDING_SLACK):
+    """E_μ[Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)], μ = (sqrt(r/X) + τ)/σ, X ~ χ²_r, by quad over
+    X (τ: the rounding allowance of tf_dp's JL step, docs/privacy.md)."""
     chi2 = stats.chi2(r)
 
     def integrand(x):
-        mu = math.sqrt(r / x) / sigma
+        mu = (math.sqrt(r / x) + tau) / sigma
         g = stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
         return g * chi2.pdf(x)
 
@@ -55,6 +56,23 @@ def test_jl_one_unsubsampled_step_matches_mixture_integral(r):
         ref = _jl_one_step_delta(float(e), sigma, r)
         assert d >= ref - 1e-12, (e, d, ref)  # never below (pessimistic)
         assert d - ref <= 1e-6, (e, d, ref)
+        # ... and the allowance is what lifts it above the law without it (Bu et al.'s).
+        if e > 0:
+            assert d > _jl_one_step_delta(float(e), sigma, r, tau=0.0) + 1e-7, (e, d)
+
+
+def test_jl_law_has_the_allowance_in_its_support_and_mass():
+    # μ = (sqrt(r / X) + τ) / σ: nothing below τ / σ, and P(μ <= m) = P(X >= r / (σm - τ)^2).
+    sigma, r, tau = 2.0, 4, mechanisms.JL_ROUNDING_SLACK
+    m = 1.3
+    law = mechanisms.jl_mu_law(sigma, r, 40.0, mu_split=m)  # a panel edge at m
+    assert law.mu_bottom > tau / sigma
+    inside = float(np.sum(law.kronrod_weights))
+    assert inside + law.mass_below + law.mass_above == pytest.approx(1.0, abs=1e-9)
+    below = float(np.sum(law.kronrod_weights[law.nodes < m])) + law.mass_below
+    want = stats.chi2(r).sf(r / (sigma * m - tau) ** 2)
+    assert below == pytest.approx(want, abs=1e-9)
+    assert stats.chi2(r).sf(r / (sigma * m) ** 2) - want > 1e-5  # without τ: far off
 
 
 def test_jl_profile_increases_to_gaussian_limit_with_r():

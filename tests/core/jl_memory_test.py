@@ -51,8 +51,9 @@ def _old_directions(variables, num_projections, seed):
 
 
 class _PlainEmbedding(L.Embedding):
-    """An Embedding with an overridden call: no ghost rule, so its table is projected by
-    forward-mode JVPs (the whole direction drawn)."""
+    """An Embedding with an overridden call: no ghost rule, so its table's per-example
+    gradients come from the vectorized fallback, as row gradients (directions on the
+    looked-up rows only, like a ghost table's)."""
 
     def call(self, inputs):
         return super().call(inputs)
@@ -70,7 +71,7 @@ def _model(kind):
         z = L.GlobalAveragePooling1D(dtype=f)(z)
     else:
         z = L.Embedding(30, 64, dtype=f)(ids)
-        if kind == "mixed":  # a second table without ghost factors (forward-mode JVPs)
+        if kind == "mixed":  # a second table without ghost factors (vectorized fallback)
             z = L.Add(dtype=f)([z, _PlainEmbedding(25, 64, dtype=f)(ids)])
         z = L.Dense(90, activation="tanh", dtype=f)(z)       # d*p=5760: projected factors
         z = L.LayerNormalization(dtype=f)(z)                # per-example gradients (direct)
@@ -96,11 +97,11 @@ def _brute_projections(model, loss_fn, x, y, r, seed):
     per = _reference.per_example_gradients(model, loss_fn, x, y)
     variables = model.trainable_variables
     dirs = [[d.numpy() for d in dj] for dj in jl.directions(variables, r, seed)]
-    # A table with ghost factors (keras Embedding) gets its directions on the batch's
-    # distinct ids only, in their order of first appearance (tf.unique); other rows get no
-    # gradient, so any values do there.
+    # A table read by row lookups (ghost factors, or the fallback's row gradients) gets its
+    # directions on the batch's distinct ids only, in their order of first appearance
+    # (tf.unique); other rows get no gradient, so any values do there.
     rows = list(dict.fromkeys(np.asarray(x).ravel().tolist()))
-    tables = [layer.embeddings for layer in model.layers if type(layer) is L.Embedding]
+    tables = [layer.embeddings for layer in model.layers if isinstance(layer, L.Embedding)]
     for i, v in enumerate(variables):
         if any(v is t for t in tables):
             drawn = jl.draw_rows(v, i, r, seed, len(rows)).numpy()

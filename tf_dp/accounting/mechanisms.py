@@ -13,7 +13,9 @@ discretisation needs. Both have closed forms because the privacy loss is monoton
 
 The JL mechanism (Bu et al. 2021, "Fast and memory efficient differentially private-SGD via JL
 projections", Theorem 4.1) reveals the projections, so one step is a Gaussian mechanism whose
-ratio μ = sqrt(r / X) / σ, X ~ χ²_r, is random but known to the adversary. The pair of output
+ratio μ = sqrt(r / X) / σ, X ~ χ²_r, is random but known to the adversary; tf_dp composes
+μ = (sqrt(r / X) + τ) / σ, with τ = ``JL_ROUNDING_SLACK`` covering the rounding of the summed
+gradients that no projection sees. The pair of output
 distributions is then the joint law of (μ, output), whose privacy profile is the μ-average of the
 per-μ profiles. That average is computed here by Gauss–Kronrod quadrature over μ; the quadrature
 error estimate is returned so that callers can add it as a pessimistic margin.
@@ -130,13 +132,25 @@ def gaussian_mu_law(noise_multiplier: float) -> MuLaw:
     return MuLaw(np.array([mu]), one, one, mu, mu, 0.0, 0.0)
 
 
+#: τ of the JL mechanism's sensitivity ``C (sqrt(r / X) + τ)``: the private step keeps every
+#: JL clip bound at or above E_i / τ, E_i the rounding its float32 weighted sums can add for
+#: example i beyond its exact gradient (``tf_dp.core.norm_strategies.jl_clip_bounds``), so an
+#: example adds at most ``C (||g_i|| / M_i + τ)``. Larger τ clips fewer ill-conditioned
+#: examples (terms far larger than their sum) below their estimate; smaller τ costs less ε.
+JL_ROUNDING_SLACK = 2.0**-9
+
+
 def _mu_from_chi2(x: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:
     with np.errstate(divide="ignore"):  # X = 0 is μ = ∞
-        return np.sqrt(num_projections / x) / noise_multiplier
+        return (np.sqrt(num_projections / x) + JL_ROUNDING_SLACK) / noise_multiplier
 
 
 def _chi2_from_mu(mu: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:
-    return num_projections / (noise_multiplier * mu) ** 2
+    """The X of μ = (sqrt(r / X) + τ) / σ; +∞ at and below the bottom of the support, τ / σ."""
+    above = noise_multiplier * np.asarray(mu, dtype=float) - JL_ROUNDING_SLACK
+    with np.errstate(divide="ignore"):
+        return np.where(above > 0.0, num_projections / np.where(above > 0.0, above, 1.0) ** 2,
+                        np.inf)
 
 
 def jl_saturation_mu(epsilon_max: float, sampling_probability: float) -> float:
@@ -159,7 +173,8 @@ def jl_mu_law(
     mu_step_far: float = 2.0,
     mu_split: Optional[float] = None,
 ) -> MuLaw:
-    """Quadrature panels for μ = sqrt(r / X) / σ with X ~ χ²_r (Bu et al. 2021, Thm. 4.1).
+    """Quadrature panels for μ = (sqrt(r / X) + τ) / σ with X ~ χ²_r (Bu et al. 2021, Thm. 4.1;
+    τ = ``JL_ROUNDING_SLACK``).
 
     Panel breakpoints are the union of (a) quantiles of μ at normal scores in [-9, 9], which
     resolve the density of μ (it is very narrow for large r), and (b) a grid of step `mu_step` in
@@ -208,8 +223,9 @@ def jl_mu_law(
     mid = 0.5 * (hi + lo)
     nodes = (mid[:, None] + half[:, None] * _GK15_NODES[None, :]).ravel()
     x_nodes = _chi2_from_mu(nodes, noise_multiplier, num_projections)
-    # density of μ: f_X(x(μ)) |dx/dμ| with x = r / (σμ)², |dx/dμ| = 2x/μ
-    log_density = chi2.logpdf(x_nodes) + np.log(2.0 * x_nodes / nodes)
+    # density of μ: f_X(x(μ)) |dx/dμ| with x = r / (σμ - τ)², |dx/dμ| = 2xσ / (σμ - τ)
+    log_density = chi2.logpdf(x_nodes) + np.log(
+        2.0 * x_nodes * noise_multiplier / (noise_multiplier * nodes - JL_ROUNDING_SLACK))
     density = np.exp(log_density)
     kronrod = (half[:, None] * _GK15_WEIGHTS[None, :]).ravel() * density
     gauss = (half[:, None] * _G7_WEIGHTS[None, :]).ravel() * density

@@ -12,19 +12,20 @@ Works for any architecture. For weights of layers with a ghost-norm rule (Dense,
 Embedding, normalisations, EinsumDense, LSTM, the reparametrized layers) ``P_ij`` comes
 from the factors one ordinary backward pass records (``sum_t a_it^T v_j dz_it``): the same
 number forward-mode AD would give, at the cost of r small products per layer instead of r
-forward passes. Every other weight gets its ``P_ij`` from JVPs computed with
-``tf.autodiff.ForwardAccumulator`` on the layers' own forward pass. Keras recurrent layers
-are unrolled while traced (their while_loop over TensorArrays has no forward-mode rule), and
-the random state of dropout-like layers is replayed so every JVP and the backward pass see
-the same masks: the norm estimate then describes exactly the gradient that is clipped.
+forward passes. Every other weight's per-example gradients are materialised by the
+vectorized fallback and projected. Either way the estimate is formed from the very tensors
+the clipped sum adds up, and the clip bound is kept above what the rounding of those sums can
+add beyond them (``tf_dp.core.norm_strategies.jl_clip_bounds``). (Until session 14 the
+other weights were projected by forward-mode JVPs and summed by a weighted backward pass: two
+computations whose rounding differed, which one example with cancelling terms could use to
+erase every other example's gradient.)
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_dp import _internals
-from tf_dp.core import randomness, vmap
+from tf_dp.core import randomness
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
@@ -146,51 +147,3 @@ def jl_norms(projections):
     (float32 squares overflow above 1.8e19; the clip factors are formed from these)."""
     p = tf.cast(projections, tf.float64)
     return tf.sqrt(tf.reduce_mean(tf.square(p), axis=0))
-
-
-def forward_projections(model, per_example_loss, x, y, sample_weight, variables, dirs,
-                        tape=None, replay=None):
-    """``P[j, i] = <grad_variables l_i, dirs[j]>`` by one forward-mode pass per direction.
-
-    ``dirs`` is a list over j of lists over ``variables``, or a pair (r, ``j -> list over
-    variables``): then direction j is drawn only after pass j - 1's projections (under a
-    control dependency), so one direction exists at a time. The first pass is recorded by
-    ``tape`` if given. ``replay`` (from :func:`save_random_state`) resets dropout-like random
-    state before every pass, so all passes (and any earlier one) see the same masks.
-
-    Returns (per-example losses of the first pass, its outputs, projections (r, B)).
-    """
-    prims = [v.value if hasattr(v, "value") else v for v in variables]
-    gens, saved = replay if replay is not None else save_random_state(model)
-    projections, losses0, pred0 = [], None, None
-    if isinstance(dirs, tuple):
-        num, draw_j = dirs
-    else:
-        num, draw_j = len(dirs), dirs.__getitem__
-    with vmap.vectorizable(model):  # unrolled RNNs: forward-mode AD needs no TensorArrays
-        for j in range(num):
-            with tf.control_dependencies(projections[-1:]):
-                dirs_j = draw_j(j)
-            for g, s in zip(gens, saved):
-                g.state.assign(s)
-            with tf.autodiff.ForwardAccumulator(prims, dirs_j) as acc:
-                if j == 0 and tape is not None:
-                    with tape:
-                        pred = model(x, training=True)
-                        losses = per_example_loss(y, pred, sample_weight)
-                else:
-                    pred = model(x, training=True)
-                    losses = per_example_loss(y, pred, sample_weight)
-                if j == 0:
-                    losses0, pred0 = losses, pred
-            jvp = acc.jvp(losses, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            projections.append(jvp)
-    return losses0, pred0, tf.stack(projections)
-
-
-def save_random_state(model):
-    """The model's seed generators and copies of their current states (for replay)."""
-    gens = [g for layer in _internals.all_layers(model)
-            for g in _internals.seed_generators(layer)]
-    return gens, [tf.identity(g.state.value) for g in gens]
-

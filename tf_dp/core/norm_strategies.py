@@ -18,8 +18,10 @@ import dataclasses
 import tensorflow as tf
 
 from tf_dp import _validation
+from tf_dp.accounting import mechanisms
 from tf_dp.core import clipping, ghost, jl, vmap
 from tf_dp.core.ghost import FactorOptions, MaterialisedFactors
+from tf_dp.core.ghost import precision
 from tf_dp.core.ghost.factors import EmbeddingFactors
 
 
@@ -198,8 +200,9 @@ class JL(NormStrategy):
     step, accounted as the JL mechanism (``tf_dp.accounting``).
 
     ``<g_i, v_j>`` comes from the recorded factors for every weight a ghost rule covers (one
-    forward, one backward pass), from forward-mode JVPs for the others; the clipped sum from
-    the same factors for the former and one backward pass of ``sum_i w_i l_i`` for the latter.
+    forward, one backward pass), from the per-example gradients of the vectorized fallback
+    for the others; the clipped sum from the same factors or gradients (so the estimate
+    describes the tensors summed; their rounding is bounded by ``jl_clip_bounds``).
     """
 
     name = "jl"
@@ -219,10 +222,20 @@ class JL(NormStrategy):
             raise ValueError("JL norms need a `seed` for their directions (the optimizer's "
                              "secret stream provides one per step).")
         r, variables = self._r, batch.variables
-        replay = jl.save_random_state(batch.model)
         options = FactorOptions(exact_norms=False, num_projections=r,
                                 drop_non_finite=batch.non_finite == "zero")
         by_id, losses, y_pred = _ghost_pass(batch, options)
+        rest = [v for v in variables if id(v) not in by_id]
+        if rest:
+            # Weights without a ghost rule: their per-example gradients, materialised by the
+            # vectorized fallback, are what is projected AND what is summed. (Forward-mode
+            # JVP projections with a weighted backward pass for the sum, used until session
+            # 14, projected one computation and summed another: a custom layer's
+            # x * w over two cancelling time steps of +-1e10 had projections exactly 0, so
+            # clip factor 1, while its terms in the batch's backward sums absorbed every
+            # other example's gradient: one example erased 41 C.)
+            more, _, _ = _vectorized_factors(batch, rest, options)
+            by_id = {**by_id, **more}
         # Each weight's directions are drawn where it is projected, once its factors exist
         # and the previous weight's projections are formed (last layers first, as the
         # backward pass forms their factors): one weight's directions are alive at a time,
@@ -233,28 +246,15 @@ class JL(NormStrategy):
             seeds = jl.step_seeds(r, seed, len(variables))
         parts, previous = {}, []
         for k in reversed(range(len(variables))):
-            if id(variables[k]) in by_id:
-                parts[k] = self._project(by_id[id(variables[k])], variables[k], k, seeds[k],
-                                         previous)
-                previous = [parts[k]]
+            parts[k] = self._project(by_id[id(variables[k])], variables[k], k, seeds[k],
+                                     previous)
+            previous = [parts[k]]
         projections = tf.zeros([r, tf.shape(losses)[0]], tf.float64)
         for k in sorted(parts):  # summed in the variables' order
             projections += tf.cast(parts[k], tf.float64)
-        rest = [k for k, v in enumerate(variables) if id(v) not in by_id]
-        if rest:
-            group = _JVPGroup(batch, [variables[k] for k in rest], replay)
-
-            def draw_j(j):  # after the last projection (forward_projections: of pass j - 1)
-                with tf.name_scope("jl_directions"), \
-                        tf.control_dependencies(previous if j == 0 else []):
-                    return [jl.draw(variables[k], k, r, seed, projection=j, seeds=seeds[k])
-                            for k in rest]
-
-            projections += group.project((r, draw_j))
-            by_id.update(group.factors())
         norms = jl.jl_norms(projections)
         factors = [by_id[id(v)] for v in variables]
-        return factors, norms, norms, losses, y_pred
+        return factors, jl_clip_bounds(norms, factors), norms, losses, y_pred
 
     def _project(self, factors, variable, index, seeds, after):
         """(r, B) projections of one weight's factors on its directions (``seeds``: its row
@@ -275,43 +275,27 @@ class JL(NormStrategy):
         return factors.project(dirs)
 
 
-class _JVPGroup:
-    """Weights without ghost factors under JL: projections by forward-mode JVPs, the clipped
-    sum by one backward pass of ``sum_i w_i l_i`` (shared by the group's weights)."""
+def jl_clip_bounds(norms, factors):
+    """The JL clip bounds: ``max(M_i, E_i / tau)``, ``M_i`` the JL estimates, ``E_i`` the
+    bound of how much the float32 weighted sums of ``factors`` can add for example i beyond
+    its exact gradient (``Factors.sum_slack``, combined over weights as the norm of a
+    concatenation), tau = ``mechanisms.JL_ROUNDING_SLACK``.
 
-    def __init__(self, batch, variables, replay):
-        self.batch, self.variables, self.replay = batch, variables, replay
-        self.tape = tf.GradientTape(watch_accessed_variables=False)
-        with self.tape:
-            self.tape.watch([_handle(v) for v in variables])
-        self.losses = None
-        self._sums = None
-
-    def project(self, dirs):
-        b = self.batch
-        self.losses, _, proj = jl.forward_projections(
-            b.model, b.per_example_loss, b.x, b.y, b.sample_weight, self.variables, dirs,
-            self.tape, self.replay)
-        return tf.cast(proj, tf.float64)
-
-    def weighted_sums(self, w):
-        if self._sums is None:
-            with self.tape:
-                weighted = tf.reduce_sum(tf.cast(w, self.losses.dtype) * self.losses)
-            self._sums = self.tape.gradient(weighted, [_handle(v) for v in self.variables],
-                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return self._sums
-
-    def factors(self):
-        return {id(v): _GroupMember(self, k) for k, v in enumerate(self.variables)}
-
-
-class _GroupMember:
-    def __init__(self, group, index):
-        self.group, self.index = group, index
-
-    def weighted_sum(self, w):
-        return self.group.weighted_sums(w)[self.index]
+    The JL estimate is formed from projections of the exact gradient g_i; the weighted sum
+    adds ``w_i (g_i + e_i)`` with ``||e_i|| <= E_i``. When an example's terms cancel (huge
+    factors, a tiny gradient) e_i is all it adds and no projection sees it: a zero gradient
+    made of +-1e10 terms added 5 C (session 14 audit). With ``w_i = min(1, C / max(M_i,
+    E_i / tau))`` the contribution is at most ``C (||g_i|| / M_i + tau)``, the sensitivity
+    the JL accountant composes (``sqrt(r / X) + tau``). For ordinary gradients E_i / tau is
+    far below M_i and nothing changes."""
+    slacks = [s for s in (getattr(f, "sum_slack", lambda: None)() for f in factors)
+              if s is not None]
+    if not slacks:
+        return norms
+    # sqrt of V squares in float64 and one division: a few float64 roundings, covered.
+    e = tf.sqrt(tf.add_n([tf.square(s) for s in slacks])) * (
+        1.0 + precision.gamma(len(slacks) + 4, tf.float64))
+    return tf.maximum(norms, e / mechanisms.JL_ROUNDING_SLACK)
 
 
 _BY_NAME = {"auto": Auto, "ghost": Ghost, "vectorized": Vectorized, "vmap": Vectorized}

@@ -442,12 +442,14 @@ class JLAlias:
     norms from r JL projections (Bu et al. 2021, Algorithm 1)::
 
         v_1..v_r ~ N(0, I)              # fresh each step, from a secret stream
-        P_ij = <grad l_i, v_j>          # from ghost factors, or one JVP per direction
+        P_ij = <grad l_i, v_j>          # from ghost factors, or materialised gradients
         M_i  = sqrt(mean_j P_ij^2)      # E[M_i^2] = ||grad l_i||^2
         g    = (sum_i g_i / max(1, M_i / C) + N(0, sigma^2 C^2 I)) / E
 
-    Works for any Keras model at close to non-private memory. Each step is accounted as the
-    JL mechanism (the clipped contribution has norm <= C sqrt(r / chi2_r)), whose epsilon is
+    Works for any Keras model; close to non-private memory where ghost rules cover the large
+    weights (the others' per-example gradients are materialised, as by the vectorized
+    fallback). Each step is accounted as the JL mechanism (the clipped contribution has norm
+    <= C (sqrt(r / chi2_r) + tau), tau = 2^-9 for the rounding of the sums), whose epsilon is
     much larger than exact clipping's for small r: use small r for fast hyper-parameter
     search and large r (or exact clipping) for the final run.
 

@@ -59,6 +59,14 @@ class Factors:
         """The tensors these factors are formed from (their per-example gradients)."""
         raise NotImplementedError
 
+    def sum_slack(self):
+        """(B,) float64 or None: how much ``weighted_sum`` can add for an example, per unit
+        weight, beyond the exact sum of its recorded factors (rounding), when that is more
+        than the final products' share (None: the sum adds each example's gradient as
+        formed, or one product per entry). Exact norms include it in ``bound``; JL clip
+        bounds are kept above it (``norm_strategies.JL``)."""
+        return None
+
     def weighted_sum(self, w):
         """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
 
@@ -229,6 +237,11 @@ class OuterFactors(Factors):
     def dependencies(self):
         return [self.per] if self.per is not None else [self.a, self.g]
 
+    def sum_slack(self):
+        if self.per is not None or self.a.shape[1] == 1:
+            return None  # materialised, or one product per example in each entry
+        return precision.outer_sum_slack(self.a, self.g)
+
     def project(self, directions):
         if self.per is not None:
             return MaterialisedFactors.project(self, directions)
@@ -308,6 +321,9 @@ class EmbeddingFactors(Factors):
 
     def dependencies(self):
         return [self.ids, self.g]
+
+    def sum_slack(self):
+        return precision.embedding_sum_slack(self.ids, self.g)
 
     def project(self, directions):
         return self.project_rows(directions, self.ids)

@@ -443,6 +443,43 @@ def _width(t):
     return t.shape[-1] if t.shape[-1] is not None else -1
 
 
+def _rows_sum_slack(g_flat, dtype, steps, row, num_rows, example_of_row, batch):
+    """(B,) float64: how far the row sums of one example's tokens (``R`` in
+    ``embedding_norms``, and the segment sum of ``w_i g_s`` in the weighted sum) can each be
+    off by rounding, per unit weight: every row's sum is off by at most gamma_{T+1}
+    sum_{s in row} ||g_s||, whose norm over the example's rows is ``spread`` (itself summed in
+    g's dtype, hence the extra gamma); the factor 2 covers the two sums. Returns (slack,
+    spread)."""
+    _, g_sq = squared_norms(g_flat)
+    near = tf.cast(tf.math.unsorted_segment_sum(tf.cast(tf.sqrt(g_sq), dtype), row,
+                                                num_rows), tf.float64)
+    spread = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(near), example_of_row, batch))
+    return 2.0 * gamma(steps + 1, dtype) * spread * (1.0 + gamma(steps + 4, dtype)), spread
+
+
+def embedding_sum_slack(ids, g):
+    """(B,) float64: the bound of ``embedding_norms``' slack alone (no norms): how much the
+    float32 segment sum of an example's tokens can differ, per unit weight, from the exact
+    sum of the factors as recorded. JL norms need it (``outer_sum_slack``)."""
+    batch = tf.shape(g)[0]
+    steps = g.shape[1] if g.shape[1] is not None else tf.shape(g)[1]
+    g_flat = tf.reshape(g, [-1, _width(g)])
+    row, num_rows, example_of_row, _, _ = _rows_of(ids)
+    return _rows_sum_slack(g_flat, g.dtype, steps, row, num_rows, example_of_row, batch)[0]
+
+
+def outer_sum_slack(a, g):
+    """(B,) float64: how much the fused float32 weighted sum ``sum_{i,t} (w_i a_it) g_it^T``
+    can differ for example i, per unit weight, from the exact ``sum_t a_it g_it^T`` of its
+    recorded factors: at most gamma_{T+1} sum_t ||a_it|| ||g_it|| (the bound
+    ``form_gram_norms`` adds for exact norms), from float32 row norms (``_l1_bound``).
+
+    An estimate of the exact gradient's norm (JL's) does not see this rounding, and when an
+    example's terms cancel (huge factors, a tiny gradient) it is all there is: JL clip bounds
+    are kept above it / ``JL_ROUNDING_SLACK`` (``tf_dp.core.norm_strategies.JL``)."""
+    return gamma(dim_of(a, 1) + 1, a.dtype) * _l1_bound(a, g)
+
+
 def embedding_norms(ids, g):
     """Norms of the per-example embedding gradients (rows ``ids[i, t]`` receive ``g[i, t]``).
 
@@ -459,14 +496,8 @@ def embedding_norms(ids, g):
     g_flat = tf.reshape(g, [-1, width])
     row, num_rows, example_of_row, keys, key_width = _rows_of(ids)
     sq, upper = _rows_norm(g_flat, row, num_rows, example_of_row, batch)
-    # R (here) and the segment sum of w_i g_s (in weighted_sum) each add up the g_s of one
-    # row: each is off by at most gamma_{T+1} sum_{s in row} ||g_s||, whose norm over rows is
-    # `spread` (itself summed in g's dtype, hence the extra gamma).
-    _, g_sq = squared_norms(g_flat)
-    near = tf.cast(tf.math.unsorted_segment_sum(tf.cast(tf.sqrt(g_sq), g.dtype), row,
-                                                num_rows), tf.float64)
-    spread = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(near), example_of_row, batch))
-    slack = 2.0 * gamma(steps + 1, g.dtype) * spread * (1.0 + gamma(steps + 4, g.dtype))
+    slack, spread = _rows_sum_slack(g_flat, g.dtype, steps, row, num_rows, example_of_row,
+                                    batch)
     if g.dtype == tf.float64:
         return sq, upper + slack, None
     wide = ill_conditioned(upper, slack)

@@ -1,0 +1,147 @@
+"""JL clip bounds cover the rounding of the sums they clip (session 14 audit).
+
+A JL estimate M_i is formed from projections of example i's exact gradient; the clipped sum
+adds whatever the float32 sums make of it. When an example's terms cancel (two time steps or
+two tokens of one id with gradients +-Y), its exact gradient is 0 but its terms in the batch
+sums are huge, and their rounding is all it adds. Before the fix:
+
+* an Embedding (ghost factors, segment sum): the projection was the rounding of one product
+  (M ~ 69 for terms of 1e10), so the clip factor let the target's terms through, and the
+  segment sum lost the low bits of every other example's contribution to that row: 5 C;
+* a Dense over two time steps (factors projected without materialising): 0.02 C;
+* a layer without a ghost rule (then projected by forward-mode JVPs, summed by a weighted
+  backward pass): the projections were exactly 0, clip factor 1, and the batch's backward
+  sums absorbed every other example's gradient: 21 C (r = 1) and 41 C (r = 5).
+
+Now clip bounds are kept at or above E_i / tau (E_i: the rounding bound of the sums,
+``Factors.sum_slack``), weights without a ghost rule are projected and summed from the same
+materialised gradients, and the accountant composes sqrt(r / X) + tau. Each case below
+fails without its part of the fix.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dp.accounting import mechanisms
+from tf_dp.core import norm_strategies, private_step
+from tf_dp.core.ghost.factors import (FactorOptions, OuterFactors,
+                                      _materialise_for_projection)
+
+L = keras.layers
+_C = 1.0
+_OTHERS = 31
+
+
+class _ScaleT(L.Layer):
+    """``x * w`` over every time step: a weight no ghost rule covers."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+def _difference_of_steps(z):
+    return z[:, 0] - z[:, 1]
+
+
+def _model(kind):
+    keras.utils.set_random_seed(0)
+    if kind == "embedding":
+        inp = keras.Input((2,), dtype="int32")
+        h = L.Embedding(10, 4)(inp)
+    else:
+        inp = keras.Input((2, 128))
+        h = L.Dense(128, use_bias=False)(inp) if kind == "dense" else _ScaleT()(inp)
+    return keras.Model(inp, L.Lambda(_difference_of_steps)(h))
+
+
+def _linear_loss(y, pred, sample_weight):
+    loss = tf.reduce_sum(pred * y, axis=-1)
+    return loss if sample_weight is None else loss * sample_weight
+
+
+def _batches(kind, big):
+    """The others (each clipped to C, all adding to entry 0) and a target whose two steps
+    (or two tokens of one id) cancel: its exact gradient is 0, its terms are +-big."""
+    width = 4 if kind == "embedding" else 128
+    if kind == "embedding":
+        x = np.tile(np.array([[5, 0]], np.int32), (_OTHERS, 1))
+        xt = np.array([[5, 5]], np.int32)
+    else:
+        x = np.zeros((_OTHERS, 2, width), np.float32)
+        x[:, 0, 0] = 1.0
+        xt = np.zeros((1, 2, width), np.float32)
+        xt[0, :, 0] = big
+    y = np.zeros((_OTHERS, width), np.float32)
+    y[:, 0] = 1e3
+    yt = np.zeros((1, width), np.float32)
+    yt[0, 0] = big
+    return (x, y), (np.concatenate([x, xt]), np.concatenate([y, yt]))
+
+
+def _sum(model, x, y, r, seed):
+    res = private_step.clipped_sum(
+        model, tf.constant(x), tf.constant(y), tf.ones([len(x)]), _linear_loss, _C,
+        norm_strategy="jl", num_projections=r, seed=tf.constant(seed, tf.int64))
+    return np.concatenate([g.numpy().ravel() for g in res.grads])
+
+
+@pytest.mark.parametrize("kind", ["embedding", "dense", "custom"])
+@pytest.mark.parametrize("r", [1, 5])
+def test_an_example_of_cancelling_terms_adds_at_most_tau_c(kind, r):
+    model = _model(kind)
+    worst = 0.0
+    for big in (1e5, 1e10, 1e15):
+        without, with_target = _batches(kind, big)
+        for seed in ((123, 456), (7, 8), (2**40, 3)):
+            change = _sum(model, *with_target, r, seed) - _sum(model, *without, r, seed)
+            worst = max(worst, float(np.linalg.norm(change)))
+    # The target's exact gradient is 0: the JL sensitivity C (0 / M + tau) allows tau C (a
+    # few float32 roundings of the others' sums on top).
+    assert worst <= 2 * mechanisms.JL_ROUNDING_SLACK * _C, worst
+
+
+def test_the_dense_case_takes_the_projected_factors_path():
+    # The "dense" case must reach the factors the allowance is for (T = 2, d p = 16384 not
+    # materialised), else the test above would not exercise it.
+    a = tf.ones([1, 2, 128])
+    assert not _materialise_for_projection(a, a, 1)
+    f = OuterFactors(tf.Variable(tf.zeros([128, 128])), a, a,
+                     FactorOptions(exact_norms=False, num_projections=1))
+    assert f.per is None
+    # gamma_3 * sum_t ||a_t|| ||g_t|| = gamma_3 * 2 * 128 (u = 2^-24), to the bound's slack
+    assert float(f.sum_slack()[0]) == pytest.approx(3 * 2.0**-24 * 256, rel=1e-4)
+
+
+def test_the_allowance_leaves_ordinary_examples_alone():
+    # Ordinary examples: E_i / tau is far below M_i, so the JL step clips by M_i (the
+    # estimate the JL accounting describes), whatever the path.
+    rng = np.random.default_rng(3)
+    for kind in ("embedding", "dense", "custom"):
+        model = _model(kind)
+        if kind == "embedding":
+            x = rng.integers(0, 10, size=(16, 2)).astype(np.int32)
+            # two equal ids cancel exactly here (z0 - z1): such an example is the attack
+            # above, not an ordinary one
+            x[:, 1] = (x[:, 0] + rng.integers(1, 10, size=16)) % 10
+            width = 4
+        else:
+            x = rng.normal(size=(16, 2, 128)).astype(np.float32)
+            width = 128
+        y = rng.normal(size=(16, width)).astype(np.float32)
+        strategy = norm_strategies.get("jl", 3)
+        batch = norm_strategies._Batch(model, tf.constant(x), tf.constant(y), None,
+                                       _linear_loss, model.trainable_variables, "error")
+        _, bounds, norms, _, _ = strategy._factors_and_norms(batch,
+                                                             tf.constant([5, 6], tf.int64))
+        np.testing.assert_array_equal(bounds.numpy(), norms.numpy())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
