@@ -130,5 +130,26 @@ def test_mislabeled_canaries_are_memorised_without_noise_and_not_with_it():
         membership.input_canary_audit(lambda: None, x, y, 1, 20, cx)
 
 
+def test_a_model_without_an_accountant_is_refused_before_training():
+    # A plain Keras model has no epsilon to compare the audit with: refused (it used to be
+    # audited and reported epsilon NaN without a word), and before any fit.
+    rng = np.random.default_rng(3)
+    x, y = _blobs(rng, 40)
+    cx, cy = _blobs(rng, 10)
+    fitted = []
+
+    def plain():
+        model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        model.fit = lambda *a, **k: fitted.append(1)
+        return model
+
+    with pytest.raises(ValueError, match="`build_model` must return a compiled tf_dp private "
+                                         "model.*got Sequential"):
+        membership.input_canary_audit(plain, x, y, 4, 10, cx, cy, rng=rng)
+    assert not fitted
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -189,7 +189,7 @@ def test_relative_spread_shrinks_like_sqrt_2_over_r(name, projections):
     _check_concentration(model, x, y, loss_fn, projections, k=200)
 
 
-@pytest.mark.slow  # tracing r = 64 forward-mode passes takes minutes on 2 shared cores
+@pytest.mark.slow  # r = 64 projections per weight, 200 seeds: minutes on 2 shared cores
 @pytest.mark.parametrize("name,projections", [("cnn", (16, 64)), ("lstm", (16, 64))])
 def test_relative_spread_large_r(name, projections):
     model, x, y, loss_fn = _CASES[name]()

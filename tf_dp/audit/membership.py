@@ -271,12 +271,20 @@ def input_canary_audit(build_model, x, y, num_classes: int, num_canaries: int,
     train_x = np.concatenate([np.asarray(x), cx[included]])
     train_y = np.concatenate([y, labels[included].astype(y.dtype).reshape(-1, *y.shape[1:])])
     model = build_model()
+    if not callable(getattr(model, "epsilon", None)):
+        # A plain Keras model has no accountant: the audit's lower bound would be compared
+        # with nothing (an epsilon of NaN, reported without a word until session 14).
+        raise ValueError(
+            "`build_model` must return a compiled tf_dp private model (tf_dp.keras."
+            f"make_private, DPSequential, ...), got {type(model).__name__}. For a non-private "
+            "baseline use a private model with noise_multiplier=0 and l2_norm_clip=inf "
+            "(its epsilon is inf).")
     kwargs = {"verbose": 0, **(fit_kwargs or {})}
     model.fit(train_x, train_y, **kwargs)
     scores = loss_scores(model, cx, labels, from_logits=from_logits)
     result = bounds.one_run_from_scores(scores, included, delta, confidence, rng=rng)
     result["gdp"] = fdp.one_run_gdp_from_scores(scores, included, delta, confidence, rng=rng)
-    result["epsilon"] = float(model.epsilon()) if hasattr(model, "epsilon") else math.nan
+    result["epsilon"] = float(model.epsilon())
     result["member_scores"] = scores[included]
     result["nonmember_scores"] = scores[~included]
     result["membership"] = membership_report(scores[included], scores[~included], delta,
