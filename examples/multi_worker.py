@@ -29,9 +29,15 @@ says so. --simulate_fault_at=K makes the last worker SIGKILL itself after step K
   python examples/multi_worker.py --workers=2 --smoke --backup_dir=/tmp/mw --save_every=3 \
       --simulate_fault_at=5 --max_restarts=1
 
-One device (replica) per worker: tf_dp refuses more, since each worker's sample goes
-unsplit to its replica. Noise and sampling come from each worker's fresh OS entropy; --seed
-seeds the initial weights only (the same on every worker, as the strategy requires).
+Several devices (replicas) per worker: each worker's sample of a step is split over its own
+replicas. TensorFlow gives a CPU worker one device; --local_replicas=2 splits each worker's
+CPU into 2 logical devices through a private TensorFlow hook (examples/_cpu_replicas.py), to
+stand for workers with 2 accelerators (4 replicas in a 2-worker cluster):
+
+  python examples/multi_worker.py --workers=2 --local_replicas=2 --smoke
+
+Noise and sampling come from each worker's fresh OS entropy; --seed seeds the initial
+weights only (the same on every worker, as the strategy requires).
 """
 
 import contextlib
@@ -50,6 +56,8 @@ flags.DEFINE_integer("workers", 2, "Local worker processes to start (ignored wit
 flags.DEFINE_string("cluster", None, "Comma-separated host:port of every worker (real clusters).")
 flags.DEFINE_integer("task_index", None, "This worker's index in --cluster (set: run as a worker).")
 flags.DEFINE_integer("threads", 1, "TensorFlow intra-op threads per worker.")
+flags.DEFINE_integer("local_replicas", 1, "Replicas per CPU worker (logical CPUs standing for "
+                     "a worker's accelerators; a private TensorFlow hook, for demonstrations).")
 flags.DEFINE_integer("batch_size", 1024, "Expected logical batch size over the whole cluster.")
 flags.DEFINE_integer("epochs", 3, "Epochs of round(N / batch_size) steps.")
 flags.DEFINE_float("noise_multiplier", 1.1, "Noise multiplier σ.")
@@ -133,11 +141,14 @@ def worker():
     import tensorflow as tf
 
     import tf_dp
+    from _cpu_replicas import use_cpu_replicas  # examples/_cpu_replicas.py
     from _models import tutorial_cnn  # examples/_models.py
 
     tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    use_cpu_replicas(FLAGS.local_replicas)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    workers = strategy.num_replicas_in_sync // FLAGS.local_replicas
     chief = FLAGS.task_index in (None, 0)
     (x, y), (x_test, y_test) = tf_dp.datasets.load("fashion_mnist")
     if FLAGS.smoke:
@@ -183,7 +194,7 @@ def worker():
         backup = os.path.join(FLAGS.backup_dir, f"worker{FLAGS.task_index or 0}")
         callbacks.insert(0, keras.callbacks.BackupAndRestore(
             backup, save_freq=FLAGS.save_every or "epoch"))
-        last = (FLAGS.task_index or 0) == strategy.num_replicas_in_sync - 1
+        last = (FLAGS.task_index or 0) == workers - 1
         if FLAGS.simulate_fault_at and last:
             callbacks.append(_FaultOnce(FLAGS.simulate_fault_at,
                                         os.path.join(FLAGS.backup_dir, "fault_simulated")))
@@ -195,14 +206,16 @@ def worker():
     # Evaluation outside the strategy's collectives: every worker holds the same weights.
     logits = model.predict(x_test, batch_size=1024, verbose=0)
     accuracy = float(np.mean(np.argmax(logits, axis=-1) == y_test))
-    result = {"worker": FLAGS.task_index, "workers": strategy.num_replicas_in_sync,
+    result = {"worker": FLAGS.task_index, "workers": workers,
+              "replicas": strategy.num_replicas_in_sync,
               "steps": steps, "seconds": seconds, "epoch_seconds": epoch_seconds,
               "epsilon": model.epsilon(),
               "test_accuracy": accuracy, "loss": history.history["loss"][-1],
               "budget_steps": model.accountant.steps,
               "notes": model.privacy_report()["notes"]}
     if chief:
-        print(f"{strategy.num_replicas_in_sync} workers, {steps} steps in {seconds:.0f} s "
+        print(f"{workers} workers ({strategy.num_replicas_in_sync} replicas), {steps} steps "
+              f"in {seconds:.0f} s "
               f"({1000 * seconds / max(steps, 1):.0f} ms/step incl. tracing): test accuracy "
               f"{accuracy:.4f}, epsilon {result['epsilon']:.3f} at delta {FLAGS.delta:g} "
               f"({result['budget_steps']} steps accounted)", flush=True)

@@ -1,6 +1,6 @@
 """One worker of a two-process MultiWorkerMirroredStrategy run (tests/keras/multi_worker_test.py).
 
-    python _multi_worker_child.py <task index> <port,port> <result.json>
+    python _multi_worker_child.py <task index> <port,port> <result.json> [replicas per worker]
 
 Runs the problems one after the other, in one cluster (starting the workers is most of
 the cost):
@@ -14,6 +14,12 @@ the cost):
             those of the final weights on the held-out rows, on every worker.
   schedule  the noise problem with a batch-size schedule: step t's update is exactly
             -z_t / (q_t N), q_t of its phase, and each phase is accounted at its own q.
+  full      arrays sampled by fit at q = 1 (every row in every step: the batches are known
+            without reading the samplers), sigma = 0, clipping active: the weights must be
+            those of one process.
+With more than one replica per worker (examples/_cpu_replicas.py: logical CPUs standing in
+for a worker's accelerators) `declared` is not run: a distributed dataset is refused there,
+and the result says with which error.
 The result file gets the final weights and the worker's accountant record.
 """
 
@@ -22,16 +28,20 @@ import os
 import sys
 
 index, ports, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+local_replicas = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 os.environ["TF_CONFIG"] = json.dumps({
     "cluster": {"worker": [f"localhost:{p}" for p in ports]},
     "task": {"type": "worker", "index": index}})
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "examples"))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from _cpu_replicas import use_cpu_replicas  # noqa: E402  (examples/)
 from tests.keras import _multi_worker_data as data  # noqa: E402
 from tf_dp.keras import make_private  # noqa: E402
 from tf_dp.optimizers import DPSGD  # noqa: E402
@@ -50,6 +60,25 @@ def run(strategy, mode):
         dataset = strategy.distribute_datasets_from_function(lambda context: local)
         model.fit(dataset, epochs=1, steps_per_epoch=len(shard), verbose=0,
                   dataset_size=len(x), sampling_probability=data.Q)
+    elif mode == "declared_refused":
+        x, y = data.regression()
+        with strategy.scope():
+            model = make_private(data.mlp())
+            model.compile(optimizer=data.optimizer(), loss="mse")
+        local = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+        dataset = strategy.distribute_datasets_from_function(lambda context: local)
+        try:
+            model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0, dataset_size=len(x),
+                      sampling_probability=data.Q)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"error": None}
+    elif mode == "full":
+        x, y = data.regression()
+        with strategy.scope():
+            model = make_private(data.mlp())
+            model.compile(optimizer=data.optimizer(), loss="mse")
+        model.fit(x, y, batch_size=len(x), epochs=data.FULL_STEPS, verbose=0)
     elif mode == "validation":
         # arrays sampled by fit on each worker's shard, the last quarter held out: every
         # worker evaluates all of it after each epoch
@@ -83,10 +112,14 @@ def run(strategy, mode):
 
 
 def main():
+    use_cpu_replicas(local_replicas)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    assert strategy.num_replicas_in_sync == len(ports), strategy.num_replicas_in_sync
+    assert strategy.num_replicas_in_sync == len(ports) * local_replicas, (
+        strategy.num_replicas_in_sync)
+    first = "declared" if local_replicas == 1 else "declared_refused"
     results = {mode: run(strategy, mode)
-               for mode in ("declared", "noise", "validation", "schedule")}
+               for mode in (first, "noise", "validation", "schedule", "full")}
+    results["num_replicas_in_sync"] = strategy.num_replicas_in_sync
     with open(out, "w") as f:
         json.dump(results, f)
 

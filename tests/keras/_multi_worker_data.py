@@ -10,6 +10,7 @@ from tf_dp.schedules import PiecewiseBatchSize
 N = 40          # examples of the `declared` problem
 Q = 0.25        # its declared sampling probability (expected logical batch 10)
 STEPS = 4
+FULL_STEPS = 3  # steps of the `full` problem (q = 1)
 CLIP, SIGMA, SEED = 1.0, 2.0, 11
 NOISE_N, NOISE_BATCH = 32, 8
 SCHEDULE_STEPS = 3

@@ -7,7 +7,10 @@ replica of the cluster), the sum is divided by the global expected batch q * N, 
 worker's accountant records each step once.
 
 The two-process tests start two workers on localhost ports (tests/keras/_multi_worker_child.py)
-and compare their weights with a one-process run and with the noise worked out by hand.
+and compare their weights with a one-process run and with the noise worked out by hand, once
+with one replica per worker and once with two (logical CPUs standing for a worker's
+accelerators, examples/_cpu_replicas.py): each worker's sample is then split over its own
+replicas.
 """
 
 import contextlib
@@ -40,7 +43,7 @@ def _free_ports(n):
         return [server.getsockname()[1] for server in servers]
 
 
-def _run_workers(tmp_path, workers=2):
+def _run_workers(tmp_path, workers=2, local_replicas=1):
     ports = ",".join(str(p) for p in _free_ports(workers))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT,
                TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
@@ -50,7 +53,7 @@ def _run_workers(tmp_path, workers=2):
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(_HERE, "_multi_worker_child.py"), str(i), ports,
-             str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             str(out), str(local_replicas)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
         for p in procs:
@@ -64,10 +67,21 @@ def _run_workers(tmp_path, workers=2):
     return [json.loads(out.read_text()) for out in outs]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Both problems' results from each of two workers (one cluster start for the module)."""
-    return _run_workers(tmp_path_factory.mktemp("workers"))
+@pytest.fixture(scope="module", params=[1, 2], ids=["1_replica_per_worker",
+                                                    "2_replicas_per_worker"])
+def cluster(request, tmp_path_factory):
+    """Every problem's results from each of two workers (one cluster start per number of
+    replicas per worker). Two replicas per worker stand for workers with two accelerators:
+    logical CPUs (examples/_cpu_replicas.py), so each worker's sample is split over its own
+    two replicas, 4 in the cluster."""
+    results = _run_workers(tmp_path_factory.mktemp("workers"), local_replicas=request.param)
+    for worker in results:
+        assert worker["num_replicas_in_sync"] == 2 * request.param
+    return results
+
+
+def _replicas_per_worker(cluster):
+    return cluster[0]["num_replicas_in_sync"] // len(cluster)
 
 
 @pytest.mark.filterwarnings("ignore:tf_dp. DPSGD has `noise_multiplier=0`")
@@ -76,6 +90,9 @@ def test_two_workers_give_the_weights_of_one_process(cluster):
     """Each worker holds its shard's rows of the same logical batches; sigma = 0 and clipping
     active: the cluster must compute exactly the one-process update (sum over both shards,
     divided by the global q N), and each worker's accountant holds every step once."""
+    if _replicas_per_worker(cluster) > 1:
+        pytest.skip("a distributed dataset is refused with 2 replicas per worker (tested "
+                    "below); `test_full_batches_...` compares the weights there")
     results = [worker["declared"] for worker in cluster]
     x, y = data.regression()
     model = make_private(data.mlp())
@@ -91,6 +108,34 @@ def test_two_workers_give_the_weights_of_one_process(cluster):
     for result in results:
         assert result["iterations"] == data.STEPS
         assert result["phases"] == [[0.0, data.Q, data.STEPS]]  # once per step, every worker
+        for got, want in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_distributed_dataset_is_refused_with_two_replicas_per_worker(cluster):
+    """Each of a worker's replicas takes its own element of a step: tf_dp cannot tell one
+    sample split over them from one sample each (q times 2, accounted as q)."""
+    if _replicas_per_worker(cluster) == 1:
+        pytest.skip("accepted with one replica per worker (the test above)")
+    for worker in cluster:
+        assert "needs one replica per worker; this cluster has 2" in (
+            worker["declared_refused"]["error"] or "")
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. DPSGD has `noise_multiplier=0`")
+@pytest.mark.filterwarnings("ignore:ε = inf")
+def test_full_batches_give_the_weights_of_one_process(cluster):
+    """Arrays sampled by fit at q = 1 (every row in every step), sigma = 0, clipping active:
+    however each worker's shard is split over its replicas, the cluster computes the
+    one-process update, and each worker accounts every step once at q = 1."""
+    x, y = data.regression()
+    model = make_private(data.mlp())
+    model.compile(optimizer=data.optimizer(), loss="mse")
+    model.fit(x, y, batch_size=len(x), epochs=data.FULL_STEPS, verbose=0)
+    for worker in cluster:
+        result = worker["full"]
+        assert result["iterations"] == data.FULL_STEPS
+        assert result["phases"] == [[0.0, 1.0, data.FULL_STEPS]]
         for got, want in zip(result["weights"], model.get_weights()):
             np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-5, atol=1e-6)
 
@@ -115,23 +160,28 @@ def test_noise_is_added_once_for_the_cluster_and_divided_by_the_global_batch(clu
 
 
 @pytest.mark.slow
-def test_the_multi_worker_example_runs_two_local_workers(tmp_path):
+@pytest.mark.parametrize("local_replicas", [1, 2])
+def test_the_multi_worker_example_runs_two_local_workers(tmp_path, local_replicas):
     """examples/multi_worker.py --workers=2 --smoke: the launcher starts two workers, they
-    train together and the chief reports epsilon and accuracy."""
+    train together and the chief reports epsilon and accuracy (with --local_replicas=2, on
+    4 replicas)."""
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(_ROOT, "examples", "multi_worker.py"), "--workers=2",
-         "--smoke", f"--result={out}"], capture_output=True, text=True, timeout=900,
+         "--smoke", f"--result={out}", f"--local_replicas={local_replicas}"],
+        capture_output=True, text=True, timeout=900,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["steps"] == 8
+    assert result["replicas"] == 2 * local_replicas
     assert 0 < result["epsilon"] < 10 and result["test_accuracy"] > 0.1
-    assert "2 workers, 8 steps" in proc.stdout
+    assert f"2 workers ({2 * local_replicas} replicas), 8 steps" in proc.stdout
 
 
 @pytest.mark.slow
-def test_the_multi_worker_example_recovers_from_a_killed_worker(tmp_path):
+@pytest.mark.parametrize("local_replicas", [1, 2])
+def test_the_multi_worker_example_recovers_from_a_killed_worker(tmp_path, local_replicas):
     """--simulate_fault_at=5 --save_every=3: worker 1 SIGKILLs itself after step 5; the
     launcher restarts the job, which resumes from step 3's backup; the chief's budget covers
     the 5 applied steps (plus at most the one it had in flight) and the 8 of the new epoch,
@@ -140,7 +190,8 @@ def test_the_multi_worker_example_recovers_from_a_killed_worker(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(_ROOT, "examples", "multi_worker.py"), "--workers=2",
          "--smoke", f"--result={out}", f"--backup_dir={tmp_path / 'backup'}",
-         "--save_every=3", "--simulate_fault_at=5", "--max_restarts=1"],
+         "--save_every=3", "--simulate_fault_at=5", "--max_restarts=1",
+         f"--local_replicas={local_replicas}"],
         capture_output=True, text=True, timeout=1200,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=_ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -185,6 +236,21 @@ def test_each_worker_samples_only_its_shard_at_q(monkeypatch):
     # Every row: Binomial(steps, q); 5-sigma bounds, all rows (union of both workers).
     sd = math.sqrt(steps * q * (1 - q))
     assert np.all(np.abs(counts - steps * q) < 5 * sd), (counts.min(), counts.max())
+
+
+def test_seeded_workers_do_not_draw_the_same_coins(monkeypatch):
+    """A seeded (debugging) run: the workers' shard samplers get different streams. With one
+    seed for all they kept the same positions of their shards in every step."""
+    n = 60
+    monkeypatch.setattr(dp_model, "_max_and_min_over_workers", lambda strategy, rows: (n, n))
+    positions = []
+    for worker in range(2):
+        context = tf.distribute.InputContext(2, worker, 2)
+        sampler = dp_model._worker_shard_sampler(None, context, np.arange(n), None, None, 12,
+                                                 seed=5)
+        positions.append([sorted(((e[0] if isinstance(e, tuple) else e).numpy() - worker)
+                                 // 2) for e in sampler.dataset(6)])
+    assert positions[0] != positions[1]
 
 
 def test_workers_with_different_row_counts_are_refused(monkeypatch):
@@ -252,8 +318,16 @@ def test_unsafe_multi_worker_inputs_are_refused():
         check(two, PoissonSampler(x, expected_batch_size=4), **ok)
     with pytest.raises(ValueError, match="poisson_sampling=False"):
         check(two, x, **{**ok, "poisson_sampling": False})
-    with pytest.raises(ValueError, match="one replica per worker"):
-        check(tf.distribute.InputContext(2, 0, 4), x, **ok)
+    check(tf.distribute.InputContext(2, 0, 4), x, **ok)  # 2 replicas per worker: split
+    with pytest.raises(ValueError, match="same number of replicas on every worker"):
+        check(tf.distribute.InputContext(2, 0, 3), x, **ok)
+    # A distributed dataset with 2 replicas per worker: one sample split or two samples? The
+    # same with one replica per worker (and dataset_size, q) is accepted (the cluster tests).
+    distributed_x = type("DistributedDatasetsFromFunction", (), {"_input_contexts": []})()
+    declared = {**ok, "dataset_size": 40, "sampling_probability": 0.25}
+    check(two, distributed_x, **declared)
+    with pytest.raises(ValueError, match="needs one replica per worker; this cluster has 2"):
+        check(tf.distribute.InputContext(2, 0, 4), distributed_x, **declared)
     check(two, x, **{**ok, "schedule": object()})  # each worker's shard at the phases' q
     check(two, x, **{**ok, "validation_split": 0.2})  # every worker evaluates all of it
     check(two, x, **{**ok, "validation_data": (x, x)})
@@ -262,6 +336,26 @@ def test_unsafe_multi_worker_inputs_are_refused():
     with pytest.raises(ValueError, match="validation_data. must be arrays"):
         check(two, x, **{**ok, "validation_data": distributed})
 
+
+
+def test_a_workers_sample_is_split_over_its_local_replicas():
+    """Two replicas per worker: each logical batch of the worker becomes two consecutive
+    elements (rows j, j + 2, ... for local replica j; an empty part included), the
+    distributed input hands them to the worker's two replicas for one step; a schedule's
+    phase goes unchanged with every part."""
+    batches = [np.arange(5), np.arange(10, 11), np.arange(20, 20)]
+    ds = tf.data.Dataset.from_generator(lambda: ((b, b * 2) for b in batches),
+                                        output_signature=(tf.TensorSpec([None], tf.int64),) * 2)
+    parts = [tuple(t.numpy().tolist() for t in e)
+             for e in dp_model._split_over_local_replicas(ds, 2)]
+    assert parts == [([0, 2, 4], [0, 4, 8]), ([1, 3], [2, 6]), ([10], [20]), ([], []),
+                     ([], []), ([], [])]
+    phased = tf.data.Dataset.from_tensor_slices(tf.range(6)).batch(3).map(
+        lambda b: ((b,), tf.size(b)))
+    parts = [(e[0][0].numpy().tolist(), int(e[1]))
+             for e in dp_model._split_over_local_replicas(phased, 2, with_phase=True)]
+    assert parts == [([0, 2], 3), ([1], 3), ([3, 5], 3), ([4], 3)]
+    assert dp_model._split_over_local_replicas(ds, 1) is ds
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

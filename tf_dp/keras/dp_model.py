@@ -450,9 +450,13 @@ class DPTrainMixin:
                 fit_args.pop(key, None)
             fit_args["shuffle"] = False  # a dataset now (shuffled before, if it was arrays)
         if workers is not None and isinstance(fit_args["x"], tf.data.Dataset):
-            # Each worker's own samples go, unsplit, to its one replica (Keras would split
-            # every worker's batch over all replicas of the cluster, i.e. over two steps).
-            local = fit_args["x"]
+            # Each worker's own sample of a step goes to its own replicas only (Keras would
+            # split every worker's batch over all replicas of the cluster, i.e. over two
+            # steps). With L replicas on a worker, the sample is split into L parts, one per
+            # local replica (rows j, j + L, ...): the worker's input pipeline hands L
+            # consecutive elements to its L replicas for one step.
+            local = _split_over_local_replicas(fit_args["x"], _local_replicas(workers),
+                                               with_phase=scheduled)
             fit_args["x"] = self.distribute_strategy.distribute_datasets_from_function(
                 lambda context: local)
         elif scheduled and (self._distribute_strategy is not None
@@ -1061,13 +1065,12 @@ def _multi_worker_input_context(model):
 def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation_split,
                               validation_data, dataset_size, sampling_probability):
     """Refuses multi-worker inputs whose sampling across workers tf_dp cannot vouch for."""
-    if context.num_replicas_in_sync != context.num_input_pipelines:
+    if context.num_replicas_in_sync % context.num_input_pipelines:
         raise ValueError(
-            f"Multi-worker private training needs one replica per worker (each worker's "
-            f"sample goes unsplit to its replica); this cluster has "
+            f"Multi-worker private training needs the same number of replicas on every "
+            f"worker (each worker's sample is split over its own replicas); this cluster has "
             f"{context.num_input_pipelines} workers and {context.num_replicas_in_sync} "
-            "replicas. Give each worker one device (e.g. "
-            "MultiWorkerMirroredStrategy() on CPU workers).")
+            "replicas.")
     if validation_data is not None and (
             isinstance(validation_data, tf.distribute.DistributedDataset)
             or hasattr(validation_data, "_input_contexts")):
@@ -1077,6 +1080,16 @@ def _check_multi_worker_input(context, x, poisson_sampling, schedule, validation
             "would split it in a way tf_dp cannot check).")
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
             x, "_input_contexts"):  # DistributedDatasetsFromFunction
+        if _local_replicas(context) > 1:
+            # Each of a worker's replicas takes its own element of a step: one sample split
+            # over them, or one sample each (q times the replicas per worker, accounted as
+            # q)? tf_dp cannot tell, so it does the splitting itself or not at all.
+            raise ValueError(
+                f"A distributed dataset under MultiWorkerMirroredStrategy needs one replica "
+                f"per worker; this cluster has {_local_replicas(context)} per worker, whose "
+                "elements of one step tf_dp cannot tell apart from several samples. Pass "
+                "arrays: fit() then samples each worker's shard once per step and splits "
+                "that sample over the worker's replicas.")
         if dataset_size is None or sampling_probability is None:
             raise ValueError(
                 "A distributed dataset under MultiWorkerMirroredStrategy needs `dataset_size` "
@@ -1113,7 +1126,38 @@ def _on_every_worker(strategy, validation_data, batch_size):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
         parts = (x, y) if sample_weight is None else (x, y, sample_weight)
         local = tf.data.Dataset.from_tensor_slices(parts).batch(batch_size)
+    replicas = strategy.num_replicas_in_sync // _internals.num_workers(strategy)
+    if replicas > 1:
+        # Every local replica gets the same batch (one element per replica per step).
+        local = local.flat_map(
+            lambda *batch: tf.data.Dataset.from_tensors(batch[0] if len(batch) == 1 else batch)
+            .repeat(replicas))
     return strategy.distribute_datasets_from_function(lambda context: local)
+
+
+def _local_replicas(context):
+    """Replicas per worker of an input context (the same on every worker, as checked)."""
+    return max(1, context.num_replicas_in_sync // context.num_input_pipelines)
+
+
+def _split_over_local_replicas(dataset, replicas, with_phase=False):
+    """Each element (one logical batch of this worker, or (batch, phase)) as ``replicas``
+    consecutive elements: rows j, j + L, j + 2L, ... for local replica j (an empty part is a
+    valid part), the phase of a schedule unchanged on every part."""
+    if replicas == 1:
+        return dataset
+
+    def parts(*element):
+        element = element[0] if len(element) == 1 else element
+        batch, phase = element if with_phase else (element, None)
+
+        def part(j):
+            rows = tf.nest.map_structure(lambda t: t[j::replicas], batch)
+            return rows if phase is None else (rows, phase)
+
+        return tf.data.Dataset.range(replicas).map(part)
+
+    return dataset.flat_map(parts)
 
 
 def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch, seed):
@@ -1132,6 +1176,10 @@ def _worker_shard_sampler(strategy, context, x, y, sample_weight, logical_batch,
         raise ValueError(f"Every worker must pass the same arrays to fit(): the workers hold "
                          f"between {smallest} and {largest} rows (this one {n}).")
     shard = slice(context.input_pipeline_id, None, context.num_input_pipelines)
+    if seed is not None:
+        # A seeded (debugging) run: each worker its own sampling stream. The same seed on
+        # every worker drew the same inclusion coins for every shard (session 14 helper).
+        seed = (seed * 1_000_003 + context.input_pipeline_id + 1) % (2**63)
     take = lambda structure: (None if structure is None
                               else tf.nest.map_structure(lambda a: a[shard], structure))
     if isinstance(logical_batch, PiecewiseBatchSize):
