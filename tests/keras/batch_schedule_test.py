@@ -152,6 +152,66 @@ def test_target_epsilon_stops_a_scheduled_run_within_budget():
     assert composed(steps) <= 2.0 < composed(steps + 1)
 
 
+def _phases(model):
+    return [(p.sampling_probability, p.count) for p in model.accountant.phases]
+
+
+def test_a_second_fit_continues_the_schedule_where_the_first_stopped():
+    # As a Keras learning-rate schedule, a batch-size schedule follows the optimizer's step
+    # count: fit's steps 3-5 are in the second phase (until session 14 every fit restarted
+    # at phase 0: accounted at the q actually used, but not the schedule asked for).
+    n = 400
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    schedule = PiecewiseBatchSize([4], [20, 80])
+    model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=3, verbose=0)
+    assert _phases(model) == [(exact_rate(20 / n), 3)]
+    model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=3, verbose=0)
+    assert _phases(model) == [(exact_rate(20 / n), 4), (exact_rate(80 / n), 2)]
+
+
+def test_a_run_restored_by_backup_and_restore_resumes_its_schedule(tmp_path):
+    # A killed run restarted with the same BackupAndRestore directory: the restored step
+    # count (read after the restore, when the first batch is drawn) places the new steps in
+    # the phase the schedule gives them.
+    n = 400
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    schedule = PiecewiseBatchSize([4], [20, 80])
+
+    def build():
+        model = tf_dp.keras.make_private(_model())
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")
+        model.build((None, 4))
+        return model
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == 5:
+                raise RuntimeError("simulated crash")
+
+    backup = str(tmp_path / "backup")
+    first = build()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    assert int(first.optimizer.iterations) == 5
+    second = build()
+    second.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
+               callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    q0, q1 = exact_rate(20 / n), exact_rate(80 / n)
+    # Restored at step 5 (in phase 1): every step the second process applied is at q1, the
+    # first process's 4 + 1 at q0 and q1 came back with the budget.
+    resumed = int(second.optimizer.iterations) - 5
+    assert resumed > 0
+    assert _phases(second) == [(q0, 4), (q1, 1 + resumed)], _phases(second)
+
+
 def test_calibration_over_phases():
     from tf_dp.accounting import calibrate_noise_multiplier
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import numpy as np
@@ -214,12 +215,17 @@ class PoissonSampler:
         """q * N: the denominator of the private mean, never the realised size."""
         return self.sampling_probability * self.dataset_size
 
-    def dataset(self, num_steps=None) -> tf.data.Dataset:
+    def dataset(self, num_steps=None, first_step=0) -> tf.data.Dataset:
         """Batches ``(x, y[, sample_weight])``; endless unless ``num_steps`` is given.
 
         Every element is one logical step, an empty batch included. With ``pad_to`` the
         third part is always there (weight 0 on padding rows) and every batch has a
         multiple of ``pad_to`` rows; its batch axis is static only when ``pad_to >= N``.
+
+        ``first_step``: with a batch-size schedule, the logical step number of the first
+        element (its phase follows it): an integer >= 0, or an integer ``tf.Variable`` read
+        when the first element is made (``fit`` continues a schedule from the optimizer's
+        step count, restored or not). Ignored without a schedule.
         """
         self._frozen.update(("schedule", "pad_to"))  # now in this dataset's sampling
         n, pad_to = self.dataset_size, self.pad_to
@@ -233,6 +239,18 @@ class PoissonSampler:
             ds = samples.map(lambda x, y, sw: _finish((x, y, sw), pad_to,
                                                        static=pad_to is not None and pad_to >= n))
         else:
+            if isinstance(first_step, tf.Variable):
+                # Read once, when the first element is made (not when the dataset is).
+                count = 2**62 if num_steps is None else int(num_steps)
+                steps = tf.data.Dataset.from_tensors(0).map(
+                    lambda _: tf.cast(first_step.read_value(), tf.int64)).flat_map(
+                        lambda start: tf.data.Dataset.range(start, start + count))
+            else:
+                if (isinstance(first_step, bool) or not isinstance(first_step, numbers.Integral)
+                        or first_step < 0):
+                    raise ValueError(f"`first_step` must be an integer >= 0 or a tf.Variable, "
+                                     f"got {first_step!r}.")
+                steps = steps.map(lambda step: step + int(first_step))
             boundaries = tf.constant(self.schedule.boundaries or [2**62], tf.int64)
             qs = tf.constant(self.phase_probabilities, tf.float64)
             phase_of = lambda step: tf.cast(tf.searchsorted(

@@ -400,7 +400,18 @@ class DPTrainMixin:
                 # the whole data set, whose expected size q * N divides the all-reduced sum.
                 n = len(tf.nest.flatten(x)[0])
                 expected = tuple(p * n for p in q) if isinstance(q, tuple) else q * n
-            data = sampler.dataset() if data is None else data
+            schedule_start = None
+            if data is None and sampler.schedule is not None:
+                # The schedule follows the optimizer's step count, as Keras learning-rate
+                # schedules do: a second fit continues it, and a run restored by
+                # BackupAndRestore resumes at its restored step (read when the first batch
+                # is drawn, after the restore; see _ScheduleStart), not at phase 0.
+                with tf.init_scope():
+                    schedule_start = tf.Variable(
+                        int(keras.ops.convert_to_numpy(opt.iterations)), dtype=tf.int64,
+                        trainable=False, name="tf_dp_schedule_start")
+            data = (sampler.dataset(first_step=schedule_start if schedule_start is not None
+                                    else 0) if data is None else data)
             fit_args = dict(x=data, shuffle=False,
                             steps_per_epoch=steps_per_epoch or sampler.steps_per_epoch)
             poisson = True
@@ -475,9 +486,12 @@ class DPTrainMixin:
                      else opt.mechanism(q))
         for journal in journals:
             journal.arm(in_flight)
-        # The journals last: their first write follows BackupAndRestore's restore.
+        # The journals last: their first write follows BackupAndRestore's restore; so does
+        # the schedule's start.
         callbacks = ([privacy] + [c for c in callbacks if c not in journals]
                      + [j for j in journals])
+        if sampler is not None and schedule_start is not None:
+            callbacks.append(_ScheduleStart(schedule_start, opt))
         try:
             with _declared_sampling(self):
                 return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -1052,6 +1066,19 @@ def _regularization_gradients(variables):
 
 
 # ------------------------------------------------------------------ multi-worker training
+
+
+class _ScheduleStart(keras.callbacks.Callback):
+    """Sets the step a batch-size schedule's sampler starts at to the optimizer's step count
+    once training begins (after any BackupAndRestore restore: this callback comes after the
+    user's)."""
+
+    def __init__(self, start, optimizer):
+        super().__init__()
+        self._start, self._optimizer = start, optimizer
+
+    def on_train_begin(self, logs=None):
+        self._start.assign(int(keras.ops.convert_to_numpy(self._optimizer.iterations)))
 
 
 def _multi_worker_input_context(model):
