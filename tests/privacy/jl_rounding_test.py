@@ -62,7 +62,7 @@ def _model(kind):
 
 
 def _linear_loss(y, pred, sample_weight):
-    loss = tf.reduce_sum(pred * y, axis=-1)
+    loss = tf.reduce_sum(tf.reshape(pred * y, [tf.shape(y)[0], -1]), axis=-1)
     return loss if sample_weight is None else loss * sample_weight
 
 
@@ -104,6 +104,35 @@ def test_an_example_of_cancelling_terms_adds_at_most_tau_c(kind, r):
             worst = max(worst, float(np.linalg.norm(change)))
     # The target's exact gradient is 0: the JL sensitivity C (0 / M + tau) allows tau C (a
     # few float32 roundings of the others' sums on top).
+    assert worst <= 2 * mechanisms.JL_ROUNDING_SLACK * _C, worst
+
+
+@pytest.mark.parametrize("r", [1, 5])
+def test_a_target_split_over_two_blocks_of_the_product_absorbs_nothing(r):
+    # The float32 product behind the weighted sum contracts the B*T rows in blocks (512
+    # here): a target whose cancelling steps straddle a block boundary starts the second
+    # block at -w Y^2, and the other examples' terms under half an ulp of that vanish for up
+    # to a block. The per-example rounding bound assumes its terms added in a row, so the
+    # allowance alone let it move the sum by 7 tau C (session 14 audit, T = 24, target at
+    # index 21, steps 7 and 8: rows 511 and 512). Now ill-conditioned examples are summed in
+    # float64 apart from the others.
+    keras.utils.set_random_seed(0)
+    steps, width, at = 24, 128, 21
+    inp = keras.Input((steps, width))
+    model = keras.Model(inp, L.Dense(width, use_bias=False)(inp))
+    x = np.zeros((_OTHERS * 2 + 1, steps, width), np.float32)
+    x[:, :, 0] = 1.0
+    y = np.zeros((_OTHERS * 2 + 1, steps, width), np.float32)
+    y[:, :, 0] = 0.45 * 2.0**-14  # under half an ulp of the target's partial sums
+    x_without, y_without = np.delete(x, at, 0), np.delete(y, at, 0)
+    worst = 0.0
+    for big in (1e5, 1e10):
+        x[at], y[at] = 0.0, 0.0
+        x[at, 7:9, 0] = big
+        y[at, 7, 0], y[at, 8, 0] = big, -big
+        for seed in ((123, 456), (7, 8)):
+            change = _sum(model, x, y, r, seed) - _sum(model, x_without, y_without, r, seed)
+            worst = max(worst, float(np.linalg.norm(change)))
     assert worst <= 2 * mechanisms.JL_ROUNDING_SLACK * _C, worst
 
 

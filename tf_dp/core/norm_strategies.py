@@ -17,7 +17,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tf_dp import _validation
+from tf_dp import _internals, _validation
 from tf_dp.accounting import mechanisms
 from tf_dp.core import clipping, ghost, jl, vmap
 from tf_dp.core.ghost import FactorOptions, MaterialisedFactors
@@ -288,13 +288,22 @@ def jl_clip_bounds(norms, factors):
     E_i / tau))`` the contribution is at most ``C (||g_i|| / M_i + tau)``, the sensitivity
     the JL accountant composes (``sqrt(r / X) + tau``). For ordinary gradients E_i / tau is
     far below M_i and nothing changes."""
-    slacks = [s for s in (getattr(f, "sum_slack", lambda: None)() for f in factors)
-              if s is not None]
-    if not slacks:
+    pairs = [(f, f.sum_slack()) for f in factors if hasattr(f, "sum_slack")]
+    pairs = [(f, s) for f, s in pairs if s is not None]
+    if not pairs:
         return norms
+    if not _internals.compiling_with_xla():
+        # Ill-conditioned examples (rounding bound above 1e-4 of the estimate) are summed in
+        # float64, apart: their huge cancelling terms never enter the float32 product, whose
+        # blocked order (the contraction split into blocks of 512 here) let them absorb
+        # the low bits of other examples' terms for up to a block (session 14 audit: 7-9 tau
+        # C from a zero gradient at a block boundary). XLA cannot compile the gather of a
+        # data-dependent number of examples: there only the allowance below holds.
+        for f, s in pairs:
+            f.sum_apart(precision.ill_conditioned(norms, s))
     # sqrt of V squares in float64 and one division: a few float64 roundings, covered.
-    e = tf.sqrt(tf.add_n([tf.square(s) for s in slacks])) * (
-        1.0 + precision.gamma(len(slacks) + 4, tf.float64))
+    e = tf.sqrt(tf.add_n([tf.square(s) for _, s in pairs])) * (
+        1.0 + precision.gamma(len(pairs) + 4, tf.float64))
     return tf.maximum(norms, e / mechanisms.JL_ROUNDING_SLACK)
 
 

@@ -67,6 +67,12 @@ class Factors:
         bounds are kept above it (``norm_strategies.JL``)."""
         return None
 
+    def sum_apart(self, wide):
+        """Has ``weighted_sum`` add the examples of the (B,) bool ``wide`` in float64, apart
+        from the float32 sum of the others (what exact norms do for ill-conditioned examples);
+        only factors with a ``sum_slack`` form their sums from factors."""
+        del wide
+
     def weighted_sum(self, w):
         """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
 
@@ -242,6 +248,10 @@ class OuterFactors(Factors):
             return None  # materialised, or one product per example in each entry
         return precision.outer_sum_slack(self.a, self.g)
 
+    def sum_apart(self, wide):
+        if self.per is None and self.a.dtype != tf.float64:
+            self._wide = wide
+
     def project(self, directions):
         if self.per is not None:
             return MaterialisedFactors.project(self, directions)
@@ -324,6 +334,10 @@ class EmbeddingFactors(Factors):
 
     def sum_slack(self):
         return precision.embedding_sum_slack(self.ids, self.g)
+
+    def sum_apart(self, wide):
+        if self.g.dtype != tf.float64:
+            self.wide = wide
 
     def project(self, directions):
         return self.project_rows(directions, self.ids)
