@@ -28,8 +28,8 @@ def test_subsampled_gaussian_profile_matches_quadrature(direction, eps):
 
 
 def _jl_one_step_delta(eps, sigma, r, tau=mechanisms.JL_ROUNDING_SLACK):
-    """E_μ[Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)], μ = (sqrt(r/X) + τ)/σ, X ~ χ²_r, by quad over
-    X (τ: the rounding allowance of tf_dp's JL step, docs/privacy.md)."""
+    """E_μ[Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)], μ = (sqrt(r/X) + τ)/σ, X ~ χ²_r, by quad
+    over X (τ: the rounding allowance of tf_dp's JL step, docs/privacy.md)."""
     chi2 = stats.chi2(r)
 
     def integrand(x):

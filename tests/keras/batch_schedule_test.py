@@ -173,6 +173,22 @@ def test_a_second_fit_continues_the_schedule_where_the_first_stopped():
     assert _phases(model) == [(exact_rate(20 / n), 4), (exact_rate(80 / n), 2)]
 
 
+def test_a_sampler_dataset_starts_its_schedule_at_first_step():
+    # first_step = 2 with boundaries [2]: every batch is in phase 1 (its size ~ 80, not 20);
+    # a bad first_step is refused, naming it.
+    x = np.zeros((400, 1), np.float32)
+    sampler = PoissonSampler(x, expected_batch_size=PiecewiseBatchSize([2], [20, 80]))
+    phases = [int(phase) for _, phase in sampler.dataset(num_steps=3, first_step=2)]
+    assert phases == [1, 1, 1]
+    start = tf.Variable(1, dtype=tf.int64)
+    ds = sampler.dataset(num_steps=3, first_step=start)
+    start.assign(0)  # read when the first element is made, not when the dataset is
+    assert [int(phase) for _, phase in ds] == [0, 0, 1]
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="`first_step` must be an integer >= 0"):
+            sampler.dataset(num_steps=1, first_step=bad)
+
+
 def test_a_run_restored_by_backup_and_restore_resumes_its_schedule(tmp_path):
     # A killed run restarted with the same BackupAndRestore directory: the restored step
     # count (read after the restore, when the first batch is drawn) places the new steps in

@@ -53,7 +53,8 @@ def _run_workers(tmp_path, workers=2, local_replicas=1):
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(_HERE, "_multi_worker_child.py"), str(i), ports,
-             str(out), str(local_replicas)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             str(out), str(local_replicas)], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
         for p in procs:

@@ -285,8 +285,8 @@ def gdp_mu_for_phases(phases: Sequence[composition.Phase]) -> float:
     if any(p.num_projections is not None for p in phases):
         raise GDPNotApplicableError(
             "μ-GDP via the central limit theorem is not valid for the JL mechanism "
-            "(`num_projections` set): its random sensitivity sqrt(r/χ²_r) (+ τ) gives the privacy loss a "
-            "power-law tail that the CLT ignores. Use the numerical accountant (epsilon/delta)."
+            "(`num_projections` set): its random sensitivity sqrt(r/χ²_r) (+ τ) gives the "
+            "privacy loss a power-law tail that the CLT ignores. Use the numerical accountant (epsilon/delta)."
         )
     total = 0.0
     for p in phases:

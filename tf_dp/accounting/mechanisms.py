@@ -146,7 +146,7 @@ def _mu_from_chi2(x: np.ndarray, noise_multiplier: float, num_projections: int) 
 
 
 def _chi2_from_mu(mu: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:
-    """The X of μ = (sqrt(r / X) + τ) / σ; +∞ at and below the bottom of the support, τ / σ."""
+    """The X of μ = (sqrt(r / X) + τ) / σ; +∞ at and below the support's bottom, τ / σ."""
     above = noise_multiplier * np.asarray(mu, dtype=float) - JL_ROUNDING_SLACK
     with np.errstate(divide="ignore"):
         return np.where(above > 0.0, num_projections / np.where(above > 0.0, above, 1.0) ** 2,

@@ -110,17 +110,11 @@ def check_per_example_independence(model: keras.Model, x, y, sample_weight,
     from tf_dp.core import private_step  # the known offenders keep their specific message
 
     private_step.check_no_cross_example_layers(model)
-    probe = _validated_probe(x, y, sample_weight, num_rows, rtol)
+    probe = _built_probe(model, x, y, sample_weight, num_rows, rtol, _warn_unchecked)
     if probe is None:
         return False
     xs, ys = probe
     n = _num_rows(xs)
-    try:
-        if not _fully_built(model):
-            model(xs, training=False)  # create the variables before their state is saved
-    except Exception as err:  # noqa: BLE001 - the private step will report it properly
-        _warn_unchecked(f"the model could not be called on {n} rows ({err})")
-        return False
     variables = list(model.trainable_variables if variables is None else variables)
     if _low_precision(model):
         rtol = max(rtol, _LOW_PRECISION_RTOL)
@@ -580,16 +574,10 @@ def check_ghost_rows_are_examples(model: keras.Model, x, y, sample_weight,
       ValueError: naming the layer (and which call of a shared layer) whose rows are not the
         batch's examples in order.
     """
-    probe = _validated_probe(x, y, sample_weight, num_rows, rtol)
+    probe = _built_probe(model, x, y, sample_weight, num_rows, rtol, _warn_rows_unchecked)
     if probe is None:
         return False
     xs, ys = probe
-    try:
-        if not _fully_built(model):
-            model(xs, training=False)  # create the variables before their state is saved
-    except Exception as err:  # noqa: BLE001 - the private step will report it properly
-        _warn_rows_unchecked(f"the model could not be called on {_num_rows(xs)} rows ({err})")
-        return False
     layers = _ghost_layers(model, variables)
     if not layers:
         return True
@@ -968,6 +956,23 @@ def _validated_probe(x, y, sample_weight, num_rows, rtol):
     if not rtol > 0:
         raise ValueError(f"`rtol` must be > 0, got {rtol!r}.")
     return _probe_rows(x, y, sample_weight, num_rows)
+
+
+def _built_probe(model, x, y, sample_weight, num_rows, rtol, warn):
+    """``_validated_probe``'s rows (xs, ys), the model built on them first if it is not (its
+    variables must exist before their state is saved); None if there are fewer than 2 rows
+    or the model cannot be called on them (then said through ``warn``)."""
+    probe = _validated_probe(x, y, sample_weight, num_rows, rtol)
+    if probe is None:
+        return None
+    xs, _ = probe
+    try:
+        if not _fully_built(model):
+            model(xs, training=False)
+    except Exception as err:  # noqa: BLE001 - the private step will report it properly
+        warn(f"the model could not be called on {_num_rows(xs)} rows ({err})")
+        return None
+    return probe
 
 
 def _probe_rows(x, y, sample_weight, num_rows):
