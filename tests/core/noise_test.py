@@ -323,7 +323,7 @@ def test_fit_with_accumulation_adds_noise_once_per_logical_step(use_sampler):
     assert int(model.optimizer.iterations) == steps
     updates = _updates(log)
     assert len(updates) == steps
-    shapes = [(v.shape, tf.float32) for v in model.trainable_variables]
+    shapes = [(v.shape, tf.float64) for v in model.trainable_variables]
     for step, (update, size) in enumerate(zip(updates, sizes)):
         _check_gaussian(update, sigma * clip / expected, f"step {step} (realised size {size})")
         noise = gaussian_noise(shapes, sigma * clip, seeded_draw(seed, "noise", step))

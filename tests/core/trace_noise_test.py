@@ -23,8 +23,12 @@ from tf_dp.core import gaussian_noise
 
 def _reference(shapes_dtypes, stddev, seed):
     n = len(shapes_dtypes)
+    # float64 noise is drawn in float64 (the private step's sums are float64), the rest in
+    # float32 and cast.
+    draw = lambda dtype: tf.float64 if dtype == tf.float64 else tf.float32
     return [tf.cast(tf.random.stateless_normal(
-        shape, seed=ref.noise_seed(seed, i, n), stddev=1.0, dtype=tf.float32) * stddev, dtype)
+        shape, seed=ref.noise_seed(seed, i, n), stddev=1.0, dtype=draw(dtype))
+        * tf.cast(stddev, draw(dtype)), dtype)
         for i, (shape, dtype) in enumerate(shapes_dtypes)]
 
 

@@ -311,7 +311,7 @@ def test_mirrored_noise_is_added_once_per_global_step(request, k):
     n = update.size
     assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std
     assert abs(update.mean()) < 5 * std / math.sqrt(n)
-    noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+    noise = gaussian_noise([(w.shape, tf.float64) for w in model.trainable_variables],
                            sigma * clip, seeded_draw(seed, "noise", 0))
     for w, z in zip(model.get_weights(), noise):
         np.testing.assert_allclose(w, -z.numpy() / (k * batch), rtol=1e-5, atol=1e-7)
@@ -348,7 +348,7 @@ def test_mirrored_batch_size_schedule_divides_and_accounts_by_each_steps_phase(r
     assert phases == {4 / n: 2, 16 / n: 3}
     expected = np.zeros(sum(int(np.prod(w.shape)) for w in model.weights))
     for step, size in enumerate([4, 4, 16, 16, 16]):
-        noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+        noise = gaussian_noise([(w.shape, tf.float64) for w in model.trainable_variables],
                                sigma * clip, seeded_draw(seed, "noise", step))
         expected -= np.concatenate([z.numpy().ravel() for z in noise]) / size
     got = np.concatenate([w.ravel() for w in model.get_weights()])

@@ -147,7 +147,7 @@ def test_noise_is_added_once_for_the_cluster_and_divided_by_the_global_batch(clu
     streams agree), a per-worker divisor q N_w would double it too."""
     results = [worker["noise"] for worker in cluster]
     model = data.linear()
-    noise = gaussian_noise([(w.shape, tf.float32) for w in model.trainable_variables],
+    noise = gaussian_noise([(w.shape, tf.float64) for w in model.trainable_variables],
                            data.SIGMA * data.CLIP, seeded_draw(data.SEED, "noise", 0))
     q = data.NOISE_BATCH / data.NOISE_N
     want = [-z.numpy() / (q * data.NOISE_N) for z in noise]
@@ -268,7 +268,7 @@ def test_a_batch_size_schedule_divides_and_accounts_each_step_by_its_phase(clust
     once."""
     results = [worker["schedule"] for worker in cluster]
     model = data.linear()
-    shapes = [(w.shape, tf.float32) for w in model.trainable_variables]
+    shapes = [(w.shape, tf.float64) for w in model.trainable_variables]
     qs = [data.SCHEDULE(t) / data.NOISE_N for t in range(data.SCHEDULE_STEPS)]
     want = [np.zeros(s, np.float32) for s, _ in shapes]
     for t, q in enumerate(qs):

@@ -137,7 +137,7 @@ def test_dpsgd_noisy_steps_match_a_hand_computation():
             factor = min(1.0, clip / _global_norm(g))
             total = [t + factor * gi for t, gi in zip(total, g)]
         # DPOptimizerMixin.apply_private seeds the noise with [seed, logical step].
-        noise = gaussian_noise([(v.shape, tf.float32) for v in variables], sigma * clip,
+        noise = gaussian_noise([(v.shape, tf.float64) for v in variables], sigma * clip,
                                seeded_draw(seed, "noise", step))
         for v, t, z in zip(variables, total, noise):
             v.assign(v.numpy() - lr * (t + z.numpy()) / n)

@@ -302,7 +302,7 @@ def test_a_known_seed_lets_anyone_remove_the_noise():
                       loss=_zero_loss)
     update = _one_step_noise(model, x, y)
     regenerated = tf_dp.core.gaussian_noise(
-        [(w.shape, tf.float32) for w in model.trainable_variables], 1.0,
+        [(w.shape, tf.float64) for w in model.trainable_variables], 1.0,
         randomness.seeded_draw(11, "noise", 0))
     np.testing.assert_allclose(update, -_flat([n.numpy() for n in regenerated]) / len(x),
                                rtol=1e-5, atol=1e-7)

@@ -71,7 +71,7 @@ class NormStrategy:
                              f"`norm_strategy` {self!r} estimates only the total norm. Use "
                              "exact norms or flat clipping.")
         factors, bounds, norms, losses, y_pred = self._factors_and_norms(batch, seed)
-        dtype = ghost.accumulation_dtype(losses.dtype)
+        dtype = ghost.SUM_DTYPE  # the weighted sums apply the factors in float64
         if spec is None or not spec.groups:
             w = clip_factors(bounds, l2_norm_clip if spec is None else spec.clip, dtype,
                              non_finite)
@@ -85,8 +85,10 @@ class NormStrategy:
                 w_k = clip_factors(group_bounds, c_k, dtype, non_finite)
                 for i in group:
                     weights[i] = w_k
-        grads = [tf.cast(tf.convert_to_tensor(f.weighted_sum(w)), v.dtype)
-                 for f, w, v in zip(factors, weights, batch.variables)]
+        # In float64 (ghost.SUM_DTYPE), whatever the variables' dtype: they are rounded to it
+        # once, after the noise (DPOptimizerMixin.apply_private).
+        grads = [tf.cast(tf.convert_to_tensor(f.weighted_sum(w)), ghost.SUM_DTYPE)
+                 for f, w in zip(factors, weights)]
         return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
                           norms=tf.cast(norms, losses.dtype))
 
@@ -292,15 +294,6 @@ def jl_clip_bounds(norms, factors):
     pairs = [(f, s) for f, s in pairs if s is not None]
     if not pairs:
         return norms
-    if not _internals.compiling_with_xla():
-        # Ill-conditioned examples (rounding bound above 1e-4 of the estimate) are summed in
-        # float64, apart: their huge cancelling terms never enter the float32 product, whose
-        # blocked order (the contraction split into blocks of 512 here) let them absorb
-        # the low bits of other examples' terms for up to a block (session 14 audit: 7-9 tau
-        # C from a zero gradient at a block boundary). XLA cannot compile the gather of a
-        # data-dependent number of examples: there only the allowance below holds.
-        for f, s in pairs:
-            f.sum_apart(precision.ill_conditioned(norms, s))
     # sqrt of V squares in float64 and one division: a few float64 roundings, covered.
     e = tf.sqrt(tf.add_n([tf.square(s) for _, s in pairs])) * (
         1.0 + precision.gamma(len(pairs) + 4, tf.float64))
@@ -340,11 +333,11 @@ def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error
 
     ``norms`` must bound the norm of what the weighted sums add for each example per unit
     weight, the rounding of those sums included (``ghost.combined_norms`` gives such bounds)
-    except that of their final products by ``w_i``. The factors are formed in float64 and
-    returned in ``dtype``, the dtype in which the sums multiply by them (float32; float64 for
-    float64 models), never in a lower-precision compute dtype (bfloat16 would round a factor
-    up by up to 2^-9). So every example's contribution to the tensors actually summed is at
-    most ``C (1 + 3u)`` (``w_i``'s rounding and two final products; u = 2^-24 in float32).
+    (``precision.contraction_slack`` counts the final products by ``w_i`` too). The factors
+    are formed in float64 and returned in ``dtype``, the dtype in which the sums multiply by
+    them: float64 (``ghost.SUM_DTYPE``) for the private step's sums, never a lower-precision
+    compute dtype (bfloat16 would round a factor up by up to 2^-9). So every example's
+    contribution to the sums is at most ``C (1 + 2u)`` (``w_i``'s rounding; u = 2^-53).
 
     ``non_finite``: "error" (non-finite norms stop training with a clear error instead of
     reaching the weights) or "zero" (such an example gets factor 0 and contributes nothing:

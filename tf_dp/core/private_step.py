@@ -173,8 +173,11 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
         with tf.control_dependencies([] if after is None or after[i] is None
                                      else [after[i]]):
             key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seeds[i])
+            # Drawn in float64 for float64 sums (the private step's: ghost.SUM_DTYPE), so that
+            # sum and noise are added before any rounding to the variables' dtype; else float32.
+            draw = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
             z = tf.raw_ops.StatelessRandomNormalV2(
                 shape=shape if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).as_list(),
-                key=key, counter=counter, alg=alg, dtype=tf.float32)
-            out.append(tf.cast(z * stddev, dtype))
+                key=key, counter=counter, alg=alg, dtype=draw)
+            out.append(tf.cast(z * tf.cast(stddev, draw), dtype))
     return out

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tf_dp import _internals, _validation
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import carriers, clipping, independence, private_step
+from tf_dp.core import carriers, clipping, ghost, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.budget import PrivacyBudget
 from tf_dp.keras.budget_journal import journals_for
@@ -771,7 +771,9 @@ class DPTrainMixin:
                                            variables, jl_seed, clip)
             return (j + 1, count + c, *[a + g for a, g in zip(acc, grads)])
 
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        # Accumulated in float64 (ghost.SUM_DTYPE, the micro-batches' sums' dtype): a float32
+        # accumulator of huge logical batches would round their sums before the noise.
+        zeros = [tf.zeros(v.shape, ghost.SUM_DTYPE) for v in variables]
         out = tf.while_loop(lambda j, *acc: j < k, body,
                             (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
                             parallel_iterations=1)

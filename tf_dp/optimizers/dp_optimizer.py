@@ -338,8 +338,7 @@ class DPOptimizerMixin:
         seed = self._dp_noise.next_seed() if self.noise_multiplier > 0 else None
         if seed is not None:
             stddev = clipping.as_float64(sigma) * clipping.as_float64(clip)
-            noise = private_step.gaussian_noise(shapes, tf.cast(stddev, tf.float32), seed,
-                                                after=clipped_sums)
+            noise = private_step.gaussian_noise(shapes, stddev, seed, after=clipped_sums)
             noise = [n * tf.cast(first_replica, n.dtype) for n in noise]
         else:
             noise = [tf.zeros(s, d) for s, d in shapes]
@@ -351,8 +350,12 @@ class DPOptimizerMixin:
             masks = (carrier.noise_masks if carrier is not None else [None] * len(noise))
             snr = gradient_snr_of(gradient_snr, clipped_sums, noise, masks, sigma, clip,
                                   ctx)
-        scale = 1.0 / tf.cast(expected_batch_size, tf.float32)
-        grads = [(g + n) * tf.cast(scale, g.dtype) for g, n in zip(clipped_sums, noise)]
+        # Sum, noise and normalisation in the sums' dtype (float64 from the private step:
+        # ghost.SUM_DTYPE), then ONE rounding to the variables' dtype: a function of the
+        # noised sum alone (post-processing), never a rounding of the sum before its noise.
+        scale = 1.0 / tf.cast(expected_batch_size, tf.float64)
+        grads = [tf.cast((g + n) * tf.cast(scale, g.dtype), v.dtype)
+                 for g, n, v in zip(clipped_sums, noise, variables)]
         if carrier is not None:
             grads, variables = carrier.to_trainable(grads, variables)
         if extra_gradients:

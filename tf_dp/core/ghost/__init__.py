@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_dp.core.ghost.capture import GhostContext, capturable_layers, capture
 from tf_dp.core.ghost.factors import (FactorOptions, Factors, MaterialisedFactors,
                                       combined_norms, factors_for)
-from tf_dp.core.ghost.precision import (accumulation_dtype, computes_in_float16,
+from tf_dp.core.ghost.precision import (SUM_DTYPE, accumulation_dtype, computes_in_float16,
                                         weighted_per_example_sum)
 from tf_dp.core.ghost.registry import register_ghost_rule, registered_classes, rule_for
 from tf_dp.core.ghost.terms import DirectTerm, EmbeddingTerm, OuterTerm, conv_patches, rows
@@ -101,7 +101,7 @@ def _handle(variable):
 from tf_dp.core.ghost import rules  # noqa: E402,F401
 
 __all__ = ["DirectTerm", "EmbeddingTerm", "FactorOptions", "Factors", "GhostContext",
-           "MaterialisedFactors", "OuterTerm", "accumulation_dtype", "backward",
+           "MaterialisedFactors", "OuterTerm", "SUM_DTYPE", "accumulation_dtype", "backward",
            "capturable_layers", "capture", "combined_norms", "computes_in_float16",
            "conv_patches", "factors_for", "register_ghost_rule", "registered_classes", "rows",
            "rule_for", "weighted_per_example_sum"]

@@ -61,24 +61,16 @@ class Factors:
 
     def sum_slack(self):
         """(B,) float64 or None: how much ``weighted_sum`` can add for an example, per unit
-        weight, beyond the exact sum of its recorded factors (rounding), when that is more
-        than the final products' share (None: the sum adds each example's gradient as
-        formed, or one product per entry). Exact norms include it in ``bound``; JL clip
-        bounds are kept above it (``norm_strategies.JL``)."""
+        weight, beyond the exact sum of its recorded factors (rounding), when its terms may
+        cancel (None: the sum adds each example's gradient as formed, or one product per
+        entry; ``combined_norms`` covers their float64 rounding). Exact norms include it in
+        ``bound``; JL clip bounds are kept above it (``norm_strategies.JL``)."""
         return None
 
-    def sum_apart(self, wide):
-        """Has ``weighted_sum`` add the examples of the (B,) bool ``wide`` in float64, apart
-        from the float32 sum of the others (what exact norms do for ill-conditioned examples);
-        only factors with a ``sum_slack`` form their sums from factors."""
-        del wide
-
     def weighted_sum(self, w):
-        """``sum_i w_i g_i`` in the variable's shape, in the factors' (float32) dtype.
-
-        ``w`` is cast to that dtype, never to a lower-precision compute dtype: a factor
-        rounded up would let a clipped example exceed the clipping norm.
-        """
+        """``sum_i w_i g_i`` in the variable's shape, in ``precision.SUM_DTYPE`` (float64):
+        every sum over examples is formed in float64 from the factors (precision.py's module
+        doc says why); ``w`` is applied in float64 too."""
         raise NotImplementedError
 
 
@@ -119,7 +111,7 @@ class MaterialisedFactors(Factors):
     def weighted_sum(self, w):
         flat = precision.weighted_per_example_sum(
             w, precision.flat_per_example(self.per), self.options.drop_non_finite)
-        return tf.reshape(flat, self.variable.shape)
+        return tf.reshape(flat, self.variable.shape)  # float64
 
 
 #: per-example gradients of at most this many entries may always be materialised for exact
@@ -179,14 +171,6 @@ def _concat_factors(terms, dz_of):
     return tf.concat([f[0] for f in fac], axis=1), tf.concat([f[1] for f in fac], axis=1)
 
 
-def _split_wide(wide_mask, w, wf):
-    """(indices of the ill-conditioned examples, their float64 weights (n, 1, 1), ``wf`` with
-    them zeroed): those examples are summed in float64, the others in float32."""
-    wide = tf.where(wide_mask)
-    w64 = tf.cast(tf.gather_nd(w, wide), tf.float64)[:, None, None]
-    return wide, w64, tf.where(wide_mask, tf.zeros_like(wf), wf)
-
-
 class OuterFactors(Factors):
     """``g_i = sum_t a_it (outer) g_it``: norms from float64 Gram matrices (B*T^2) or from
     the materialised product (B*d*p), whichever is cheaper (Goodfellow 2015; Li et al. 2022,
@@ -197,7 +181,7 @@ class OuterFactors(Factors):
         super().__init__(variable, options)
         self.a, self.g = a, g
         self.per = None
-        self._wide = None  # (B,) bool: examples whose weighted sum is formed in float64
+        self._wide = None  # (B,) bool: examples whose norms are formed one at a time
         self._sq = self._bound = None
         # Gram norms are formed on first read, together with every other weight's that
         # combined_norms reads (form_gram_norms: one loop for all).
@@ -248,10 +232,6 @@ class OuterFactors(Factors):
             return None  # materialised, or one product per example in each entry
         return precision.outer_sum_slack(self.a, self.g)
 
-    def sum_apart(self, wide):
-        if self.per is None and self.a.dtype != tf.float64:
-            self._wide = wide
-
     def project(self, directions):
         if self.per is not None:
             return MaterialisedFactors.project(self, directions)
@@ -267,18 +247,14 @@ class OuterFactors(Factors):
     def weighted_sum(self, w):
         if self.per is not None:
             return MaterialisedFactors.weighted_sum(self, w)
-        form_gram_norms([self])
         drop = self.options.drop_non_finite
         a = precision.drop_examples(self.a, w) if drop else self.a
         g = precision.drop_examples(self.g, w) if drop else self.g
-        wf = tf.cast(w, g.dtype)
-        if self.wide is not None:
-            wide, w64, wf = _split_wide(self.wide, w, wf)
-        out = tf.einsum("btd,btp->dp", a * wf[:, None, None], g)
-        if self.wide is not None:
-            out += tf.cast(tf.einsum("btd,btp->dp",
-                                     tf.cast(tf.gather_nd(a, wide), tf.float64) * w64,
-                                     tf.cast(tf.gather_nd(g, wide), tf.float64)), out.dtype)
+        # In float64 (module doc of precision.py): the float32 product's blocked order let an
+        # example whose terms cancel absorb the others' low bits (1.002 C, session 14).
+        f64 = precision.SUM_DTYPE
+        out = tf.einsum("btd,btp->dp", tf.cast(a, f64) * tf.cast(w, f64)[:, None, None],
+                        tf.cast(g, f64))
         return tf.reshape(out, self.variable.shape)
 
 
@@ -296,26 +272,22 @@ def form_gram_norms(factors):
     stats = precision.joint_gram_norms([(f.a, f.g) for f in pending])
     exact = []
     for f, (sq, upper, l1) in zip(pending, stats):
-        a = f.a
-        # The weighted sum contracts over t in one product: its rounding for example i is at
-        # most gamma_{T+1} w_i l1_i (products w_i a_t and (w_i a_t) g_t, T-1 additions), of
-        # which 2u w_i ||g_i|| is the final products' share.
-        norm, steps = tf.sqrt(upper), precision.dim_of(a, 1) + 1
-        u = precision.unit_roundoff(a.dtype)
-        slack = tf.maximum(gamma(steps, a.dtype) * l1 - 2.0 * u * norm, 0.0)
-        if a.dtype == tf.float64:
-            f._sq, f._bound = sq, norm + slack
-            continue
-        f._wide = precision.ill_conditioned(norm, slack)
-        # ... in float64 then (rounded once to float32: the products' share), and their norms
-        # exactly, without the Gram form's kappa^2.
-        exact.append((f, tf.where(f._wide), sq, norm, slack, l1, steps))
+        # The float64 weighted sum's own rounding for example i: its B*T terms in any order
+        # carry at most gamma_{BT+2} w_i l1_i (precision.contraction_slack).
+        terms = tf.cast(tf.shape(f.a)[0], tf.float64) * tf.cast(precision.dim_of(f.a, 1),
+                                                               tf.float64)
+        slack = precision.contraction_slack(terms, l1)
+        norm = tf.sqrt(upper)
+        # The Gram form loses up to kappa^2 of float64's precision: examples whose bound is
+        # above their estimate by more than 1e-4 (kappa above ~10^4) get their norm from
+        # their own float64 matrix instead, one at a time.
+        f._wide = precision.ill_conditioned(tf.sqrt(sq), norm - tf.sqrt(sq))
+        exact.append((f, tf.where(f._wide), sq, norm, slack, l1))
     outs = precision.joint_exact_outer_norms([(f.a, f.g, l1, wide[:, 0])
-                                              for f, wide, _, _, _, l1, _ in exact])
-    for (f, wide, sq, norm, slack, l1, steps), (sq_w, norm_w) in zip(exact, outs):
+                                              for f, wide, _, _, _, l1 in exact])
+    for (f, wide, sq, norm, slack, l1), (sq_w, norm_w) in zip(exact, outs):
         f._sq = tf.tensor_scatter_nd_update(sq, wide, sq_w)
-        norm = tf.tensor_scatter_nd_update(norm, wide, norm_w)
-        f._bound = norm + tf.where(f._wide, gamma(steps, tf.float64) * l1, slack)
+        f._bound = tf.tensor_scatter_nd_update(norm, wide, norm_w) + slack
 
 
 class EmbeddingFactors(Factors):
@@ -334,10 +306,6 @@ class EmbeddingFactors(Factors):
 
     def sum_slack(self):
         return precision.embedding_sum_slack(self.ids, self.g)
-
-    def sum_apart(self, wide):
-        if self.g.dtype != tf.float64:
-            self.wide = wide
 
     def project(self, directions):
         return self.project_rows(directions, self.ids)
@@ -359,19 +327,13 @@ class EmbeddingFactors(Factors):
     def weighted_sum(self, w):
         drop = self.options.drop_non_finite
         g = precision.drop_examples(self.g, w) if drop else self.g
-        wf = tf.cast(w, g.dtype)
-        if self.wide is not None:
-            wide, w64, wf = _split_wide(self.wide, w, wf)
+        f64 = precision.SUM_DTYPE
         rows_out, width = self.variable.shape[0], self.variable.shape[-1]
-        out = tf.math.unsorted_segment_sum(tf.reshape(g * wf[:, None, None], [-1, width]),
-                                           tf.reshape(self.ids, [-1]), rows_out)
-        if self.wide is not None:
-            ids, pos = tf.unique(tf.reshape(tf.gather_nd(self.ids, wide), [-1]))
-            part = tf.math.unsorted_segment_sum(
-                tf.reshape(tf.cast(tf.gather_nd(g, wide), tf.float64) * w64, [-1, width]),
-                pos, tf.shape(ids)[0])
-            out = tf.tensor_scatter_nd_add(out, ids[:, None], tf.cast(part, out.dtype))
-        return out
+        # In float64: the float32 segment sum let an example whose tokens cancel absorb the
+        # others' contributions to a row (5.1 C, session 14).
+        return tf.math.unsorted_segment_sum(
+            tf.reshape(tf.cast(g, f64) * tf.cast(w, f64)[:, None, None], [-1, width]),
+            tf.reshape(self.ids, [-1]), rows_out)
 
 
 def factors_for(variable, terms, dz_of, options: FactorOptions):
@@ -507,5 +469,10 @@ def combined_norms(factors, like):
         bound_sq_parts.append(upper)
     sq = tf.add_n(sq_parts)
     bound_sq = tf.add_n(bound_sq_parts)
-    # sqrt(sum of V squares) in float64: relative error far below float32's.
-    return tf.sqrt(sq), tf.sqrt(bound_sq) * (1.0 + gamma(len(factors) + 4, tf.float64))
+    # sqrt(sum of V squares) in float64: relative error far below float32's. The float64
+    # weighted sums of gradients formed outright (or of one product per entry) carry an
+    # example's own terms through at most B + 2 roundings (precision.contraction_slack);
+    # the factors whose terms may cancel have theirs in their bounds (sum_slack).
+    batch = tf.cast(tf.shape(like)[0], tf.float64)
+    return tf.sqrt(sq), tf.sqrt(bound_sq) * (1.0 + gamma(len(factors) + 4, tf.float64)) * (
+        1.0 + precision.contraction_slack(batch, 1.0))

@@ -11,11 +11,21 @@ by at most gamma_{n-1} times the sum of their absolute values, gamma_n = n u / (
 The Gram form sum((A A^T) * (G G^T)) squares the conditioning of sum_t a_t g_t^T: with
 kappa = sum_t ||a_t|| ||g_t|| / ||A^T G||, float32 loses kappa^2 u32 of the squared norm (it
 even goes negative), so Gram matrices are formed in float64, for one chunk of examples at a
-time (float64 copies of whole factors were the step's largest tensors). The fused float32
-weighted sum is off by up to gamma_{T+1} kappa of the norm: the rare examples for which that
-exceeds _FLOAT32_SUM_MAX_SLACK (kappa above ~50 for T = 32) have their sum formed in float64
-and their norm from their own float64 matrix, one example at a time, so that neither bound
-lowers their clip factor by more than that.
+time (float64 copies of whole factors were the step's largest tensors). The rare
+examples whose Gram bound exceeds their estimate by more than _NORM_MAX_SLACK (kappa above
+~10^4) have their norm from their own float64 matrix, one example at a time.
+
+Weighted sums over examples are formed in float64 (``SUM_DTYPE``), from the float32 factors,
+whatever the model's dtype. A float32 sum over examples lets one example change how the
+others' terms round: an example whose terms cancel absorbed the low bits of the others' terms
+across a block of the float32 product (1.002 C, session 14), and without any cancellation an
+example of norm 3e-4 C, pushing a sequential float32 sum of 2048 examples across a power of
+two, made 1023 other examples' terms round away: the sum moved by 0.063 C (Casacuberta et al.,
+"Widespread underestimation of sensitivity in differentially private libraries and how to
+fix it", CCS 2022; ``tests/privacy/float_sum_test.py``). In float64 an example's own share
+of the rounding is at most gamma_{n+2} (float64) times the sum of its terms' sizes, n the
+number of terms contracted, which its clip bound includes (``sum_slack``), and what it can do
+to the others' rounding is as small (docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -54,9 +64,24 @@ _SQUARES_BLOCK = 32
 _FLUSH_FLOAT32 = 2.0**-126
 
 
+#: The dtype of every sum over examples (weighted sums, micro-batch accumulation, the noise
+#: they get): rounded to the variables' dtype once, after the noise (see the module doc).
+SUM_DTYPE = tf.float64
+
+
 def accumulation_dtype(dtype):
-    """The dtype of norms' inputs and weighted sums: float64 for float64, else float32."""
+    """The dtype of norms' inputs and per-example factors: float64 for float64, else
+    float32 (half types are widened: float16 Gram entries overflow at 65504)."""
     return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def contraction_slack(terms, size):
+    """(B,) float64 or a float: how much a float64 weighted sum of ``terms`` terms (in any
+    order; products ``w_i x`` and ``(w_i x) y`` rounded, then at most ``terms - 1``
+    additions) can add for an example whose terms' sizes sum to ``size``, per unit weight:
+    gamma_{terms+2} (float64) times ``size`` (Higham, Sec. 3.1: every term is carried by at
+    most that many roundings to the result), with a rounding of its own covered."""
+    return gamma(terms + 3, tf.float64) * size
 
 
 def computes_in_float16(model) -> bool:
@@ -406,15 +431,16 @@ def joint_exact_outer_norms(items):
     return results
 
 
-#: An example whose float32 weighted sum could be off by more than this fraction of its norm
-#: (an ill-conditioned gradient: terms far larger than their sum) has its sums formed in
-#: float64 instead; in float32 its factor would have to be lowered by that much to stay sound.
-_FLOAT32_SUM_MAX_SLACK = 1e-4
+#: An example whose norm bound exceeds its estimate by more than this fraction (an
+#: ill-conditioned gradient: terms far larger than their sum, so that the rounding of a
+#: float32 norm computation could be that large) has its norm formed in float64 instead: the
+#: bound would lower its clip factor by that much.
+_NORM_MAX_SLACK = 1e-4
 
 
 def ill_conditioned(norm_bound, slack):
-    """(B,) bool: the float32 ``slack`` is above ``_FLOAT32_SUM_MAX_SLACK`` of the norm."""
-    return slack > _FLOAT32_SUM_MAX_SLACK * norm_bound
+    """(B,) bool: ``slack`` is above ``_NORM_MAX_SLACK`` of the norm."""
+    return slack > _NORM_MAX_SLACK * norm_bound
 
 
 def _rows_of(ids):
@@ -443,41 +469,52 @@ def _width(t):
     return t.shape[-1] if t.shape[-1] is not None else -1
 
 
-def _rows_sum_slack(g_flat, dtype, steps, row, num_rows, example_of_row, batch):
-    """(B,) float64: how far the row sums of one example's tokens (``R`` in
-    ``embedding_norms``, and the segment sum of ``w_i g_s`` in the weighted sum) can each be
-    off by rounding, per unit weight: every row's sum is off by at most gamma_{T+1}
-    sum_{s in row} ||g_s||, whose norm over the example's rows is ``spread`` (itself summed in
-    g's dtype, hence the extra gamma); the factor 2 covers the two sums. Returns (slack,
-    spread)."""
+def _rows_spread(g_flat, row, num_rows, example_of_row, batch):
+    """(B,) float64: ``spread_i = sqrt(sum over example i's rows of (sum_{s in row}
+    ||g_s||)^2)``, summed in g's dtype (``_spread_rounding`` covers that): the rounding of a
+    row sum of example i's tokens is at most gamma times its row's sum of norms."""
     _, g_sq = squared_norms(g_flat)
-    near = tf.cast(tf.math.unsorted_segment_sum(tf.cast(tf.sqrt(g_sq), dtype), row,
+    near = tf.cast(tf.math.unsorted_segment_sum(tf.cast(tf.sqrt(g_sq), g_flat.dtype), row,
                                                 num_rows), tf.float64)
-    spread = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(near), example_of_row, batch))
-    return 2.0 * gamma(steps + 1, dtype) * spread * (1.0 + gamma(steps + 4, dtype)), spread
+    return tf.sqrt(tf.math.unsorted_segment_sum(tf.square(near), example_of_row, batch))
+
+
+def _spread_rounding(dtype, steps):
+    """The factor that covers ``_rows_spread``'s own rounding in ``dtype``."""
+    return 1.0 + gamma(steps + 4, dtype)
+
+
+def _table_sum_slack(spread, batch, steps):
+    """(B,) float64: how much the float64 segment sum of the batch's ``w_i g_s`` into the
+    table rows can add for an example beyond its exact rows, per unit weight: a row of the
+    table sums at most B*T terms, in any order (``contraction_slack``)."""
+    terms = tf.cast(batch, tf.float64) * tf.cast(steps, tf.float64)
+    return contraction_slack(terms, spread)
 
 
 def embedding_sum_slack(ids, g):
-    """(B,) float64: the bound of ``embedding_norms``' slack alone (no norms): how much the
-    float32 segment sum of an example's tokens can differ, per unit weight, from the exact
-    sum of the factors as recorded. JL norms need it (``outer_sum_slack``)."""
+    """(B,) float64: how much the float64 segment sum of the weighted sum can differ, per
+    unit weight, from the exact sum of an example's factors as recorded. JL norms need it
+    (``outer_sum_slack``)."""
     batch = tf.shape(g)[0]
     steps = g.shape[1] if g.shape[1] is not None else tf.shape(g)[1]
     g_flat = tf.reshape(g, [-1, _width(g)])
     row, num_rows, example_of_row, _, _ = _rows_of(ids)
-    return _rows_sum_slack(g_flat, g.dtype, steps, row, num_rows, example_of_row, batch)[0]
+    spread = _rows_spread(g_flat, row, num_rows, example_of_row, batch)
+    return _table_sum_slack(spread * _spread_rounding(g.dtype, steps), batch, steps)
 
 
 def outer_sum_slack(a, g):
-    """(B,) float64: how much the fused float32 weighted sum ``sum_{i,t} (w_i a_it) g_it^T``
-    can differ for example i, per unit weight, from the exact ``sum_t a_it g_it^T`` of its
-    recorded factors: at most gamma_{T+1} sum_t ||a_it|| ||g_it|| (the bound
-    ``form_gram_norms`` adds for exact norms), from float32 row norms (``_l1_bound``).
+    """(B,) float64: how much the float64 weighted sum ``sum_{i,t} (w_i a_it) g_it^T`` can
+    differ for example i, per unit weight, from the exact ``sum_t a_it g_it^T`` of its
+    recorded factors: the B*T terms in any order (``contraction_slack``) times
+    ``l1 = sum_t ||a_it|| ||g_it||`` (``_l1_bound``, from float32 row norms).
 
     An estimate of the exact gradient's norm (JL's) does not see this rounding, and when an
     example's terms cancel (huge factors, a tiny gradient) it is all there is: JL clip bounds
     are kept above it / ``JL_ROUNDING_SLACK`` (``tf_dp.core.norm_strategies.JL``)."""
-    return gamma(dim_of(a, 1) + 1, a.dtype) * _l1_bound(a, g)
+    terms = tf.cast(tf.shape(a)[0], tf.float64) * tf.cast(dim_of(a, 1), tf.float64)
+    return contraction_slack(terms, _l1_bound(a, g))
 
 
 def embedding_norms(ids, g):
@@ -485,10 +522,13 @@ def embedding_norms(ids, g):
 
     The row sums ``R`` of every distinct (example, id) are formed by one segment sum (linear
     in B*T*D), and ``||grad_i||^2 = sum over example i's rows of ||R||^2``: a sum of squares,
-    which cannot cancel.
+    which cannot cancel. The float32 row sums are off by at most gamma_{T+1} spread (their
+    terms may cancel); examples for which that is above ``_NORM_MAX_SLACK`` of the norm have
+    their row sums formed again in float64.
 
     Returns (squared norm, upper bound of the norm of what ``weighted_sum`` adds per unit
-    weight, (B,) bool of the examples whose sums are formed in float64 (None for float64 g)).
+    weight, (B,) bool of the examples whose norms are formed in float64 (None for float64
+    g)).
     """
     batch = tf.shape(g)[0]
     steps = g.shape[1] if g.shape[1] is not None else tf.shape(g)[1]
@@ -496,11 +536,13 @@ def embedding_norms(ids, g):
     g_flat = tf.reshape(g, [-1, width])
     row, num_rows, example_of_row, keys, key_width = _rows_of(ids)
     sq, upper = _rows_norm(g_flat, row, num_rows, example_of_row, batch)
-    slack, spread = _rows_sum_slack(g_flat, g.dtype, steps, row, num_rows, example_of_row,
-                                    batch)
+    spread = (_rows_spread(g_flat, row, num_rows, example_of_row, batch)
+              * _spread_rounding(g.dtype, steps))
+    sum_slack = _table_sum_slack(spread, batch, steps)
     if g.dtype == tf.float64:
-        return sq, upper + slack, None
-    wide = ill_conditioned(upper, slack)
+        return sq, upper + gamma(steps + 1, tf.float64) * spread + sum_slack, None
+    norm_slack = gamma(steps + 1, g.dtype) * spread
+    wide = ill_conditioned(upper, norm_slack)
     # Ill-conditioned examples: row sums again in float64, for their tokens only.
     tokens = tf.where(tf.repeat(wide, steps))[:, 0]
     sub_keys, sub_row = tf.unique(tf.gather(keys, tf.gather(row, tokens)), out_idx=tf.int32)
@@ -509,9 +551,8 @@ def embedding_norms(ids, g):
                                batch)
     sq = tf.where(wide, sq64, sq)
     upper = tf.where(wide, upper64, upper)
-    # ... in float64 then, and rounded once to float32.
-    slack = tf.where(wide, 2.0 * gamma(steps + 1, tf.float64) * spread, slack)
-    return sq, upper + slack, wide
+    norm_slack = tf.where(wide, gamma(steps + 1, tf.float64) * spread, norm_slack)
+    return sq, upper + norm_slack + sum_slack, wide
 
 
 def materialised_norms(per):
@@ -531,17 +572,18 @@ def drop_examples(x, w):
 
 
 def weighted_per_example_sum(w, per, drop_non_finite=False):
-    """``sum_i w_i per_i`` of materialised per-example gradients ``per`` (B, ...).
+    """``sum_i w_i per_i`` of materialised per-example gradients ``per`` (B, ...), in
+    ``SUM_DTYPE`` (float64; see the module doc: in float32 one example could make the others
+    round away).
 
-    Formed in float32 (float64 for float64 ``per``). ``drop_non_finite``: examples of weight
-    0 add nothing even if their gradient is inf or NaN (0 * inf would be NaN).
+    ``drop_non_finite``: examples of weight 0 add nothing even if their gradient is inf or
+    NaN (0 * inf would be NaN).
     """
-    acc = accumulation_dtype(per.dtype)
-    per = tf.cast(per, acc)
+    per = tf.cast(per, SUM_DTYPE)
     if drop_non_finite:
         per = drop_examples(per, w)
     if per.shape.rank == 2:
         # (1, B) x (B, n): a 2-D MatMul whatever the shapes' static knowledge (matvec's
         # product became a BatchMatMulV2 on chunks read from a TensorList, 4x slower).
-        return tf.matmul(tf.reshape(tf.cast(w, acc), [1, -1]), per)[0]
-    return tf.tensordot(tf.cast(w, acc), per, axes=1)
+        return tf.matmul(tf.reshape(tf.cast(w, SUM_DTYPE), [1, -1]), per)[0]
+    return tf.tensordot(tf.cast(w, SUM_DTYPE), per, axes=1)
