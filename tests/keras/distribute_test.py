@@ -355,5 +355,32 @@ def test_mirrored_batch_size_schedule_divides_and_accounts_by_each_steps_phase(r
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_replicas_sums_are_added_in_float64_before_the_one_rounding(request):
+    # Each replica holds its clipped sum in float64 (ghost.SUM_DTYPE). They are added in
+    # float64 by apply_private (with the first replica's noise), and rounded to float32 once:
+    # 2^24 (replica 0) + 1 + 2^-25 (replica 1) is just above a tie, 16777218 in float32 after
+    # that rounding. Rounded to float32 first (1 + 2^-25 is 1), Keras' float32 sum would be
+    # the tie 2^24 + 1, rounded to even: 2^24 (docs/privacy.md).
+    if not _in_two_cpu_process(request):
+        return
+    strategy = _strategy()
+    with strategy.scope():
+        variable = keras.Variable(np.zeros([1], np.float32))
+        opt = DPSGD(1.0, 0.0, learning_rate=1.0)
+        opt.build([variable])
+
+    def step():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        part = tf.where(tf.equal(replica, 0), tf.constant([2.0**24], tf.float64),
+                        tf.constant([1.0 + 2.0**-25], tf.float64))
+        opt.apply_private([part], [variable], 1.0)
+
+    strategy.run(tf.function(step))
+    values = [keras.ops.convert_to_numpy(v) for v in strategy.experimental_local_results(
+        variable.value)]
+    for value in values:
+        np.testing.assert_array_equal(value, np.float32([-16777218.0]))
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

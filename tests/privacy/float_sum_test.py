@@ -104,17 +104,17 @@ def test_a_tiny_example_moves_the_private_steps_sum_by_itself(strategy, monkeypa
 def test_sums_reach_the_optimizer_in_float64_and_are_rounded_once_after_the_noise():
     # A float32 model's clipped sums stay float64 until the update: the optimizer adds the
     # (float64) noise and divides by the expected batch size before one cast. With sigma = 0
-    # the update is the float64 sum / E rounded once: 1 + 2^-30 (not a float32 number)
-    # survives the division by 2^-10, which a float32 sum would already have lost.
+    # the update is the float64 sum / E rounded once. For this sum and E = 3 that differs
+    # from rounding the sum to float32 first (0.33333364 vs 0.33333367).
     from tf_dp.optimizers import DPSGD  # noqa: PLC0415
 
-    variable = keras.Variable(np.zeros([3], np.float32))
+    total, expected = 1.0000009127555773, 3.0
+    once = np.float32(total * (1.0 / expected))
+    assert once != np.float32(np.float32(total) * np.float32(1.0 / expected))
+    variable = keras.Variable(np.zeros([1], np.float32))
     opt = DPSGD(1.0, 0.0, learning_rate=1.0)
-    total = tf.constant([1.0 + 2.0**-30, 3.0 * 2.0**-27, 2.0**24 + 1.5], tf.float64)
-    opt.apply_private([total], [variable], 2.0**-10)
-    want = -(total.numpy() * 2.0**10).astype(np.float32)
-    np.testing.assert_array_equal(variable.numpy(), want)
-
+    opt.apply_private([tf.constant([total], tf.float64)], [variable], expected)
+    np.testing.assert_array_equal(variable.numpy(), -np.float32([once]))
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

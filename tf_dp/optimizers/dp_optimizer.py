@@ -267,6 +267,14 @@ class DPOptimizerMixin:
             raise RuntimeError(_PLAIN_MODEL_MESSAGE.format(name=type(self).__name__))
         return super().apply(grads, trainable_variables)
 
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        """Keras' sum of the replicas' gradients (TensorFlow backend), skipped for a private
+        update: ``apply_private`` summed the replicas' float64 sums and the noise already,
+        and every replica holds the total. Keras would add float32 values after the noise."""
+        if self._inside_private_step:
+            return list(grads_and_vars)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
+
     @tf.autograph.experimental.do_not_convert
     def next_jl_seed(self):
         """A fresh secret (2,) seed for one logical step's JL directions."""
@@ -353,15 +361,21 @@ class DPOptimizerMixin:
         # Sum, noise and normalisation in the sums' dtype (float64 from the private step:
         # ghost.SUM_DTYPE), then ONE rounding to the variables' dtype: a function of the
         # noised sum alone (post-processing), never a rounding of the sum before its noise.
+        noised = [g + n for g, n in zip(clipped_sums, noise)]
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            # The replicas' sums (the first one's with the noise) are added here, in the
+            # sums' dtype, and every replica gets the same total; Keras' own sum of the
+            # replicas' gradients, float32 values added after the noise, is skipped
+            # (_all_reduce_sum_gradients below).
+            noised = ctx.all_reduce(tf.distribute.ReduceOp.SUM, noised)
         scale = 1.0 / tf.cast(expected_batch_size, tf.float64)
-        grads = [tf.cast((g + n) * tf.cast(scale, g.dtype), v.dtype)
-                 for g, n, v in zip(clipped_sums, noise, variables)]
+        grads = [tf.cast(g * tf.cast(scale, g.dtype), v.dtype)
+                 for g, v in zip(noised, variables)]
         if carrier is not None:
             grads, variables = carrier.to_trainable(grads, variables)
         if extra_gradients:
-            # Keras sums the replicas' gradients: each replica adds its share.
-            replicas = ctx.num_replicas_in_sync if ctx is not None else 1
-            grads = [g + tf.cast(extra_gradients[id(v)], g.dtype) / replicas
+            # Data independent, the same on every replica (whose gradients are not summed).
+            grads = [g + tf.cast(extra_gradients[id(v)], g.dtype)
                      if id(v) in extra_gradients else g for g, v in zip(grads, variables)]
         self._inside_private_step = True
         try:
