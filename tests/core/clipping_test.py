@@ -96,7 +96,7 @@ def test_per_layer_shares():
 
 def test_per_layer_contribution_within_clip_float32_adversarial():
     """float32, inputs spanning 1e-3..1e4: every example's contribution (computed from the
-    per-example gradients actually summed) stays within C (1 + 3u)."""
+    per-example gradients actually summed) stays within C (1 + 3u) (the sums are float64)."""
     model = _model("float32")
     x, y = _data(dtype="float32", scale=30.0)
     loss_fn = build_per_example_loss("mse")

@@ -1,7 +1,7 @@
 """JL clip bounds cover the rounding of the sums they clip (session 14 audit).
 
 A JL estimate M_i is formed from projections of example i's exact gradient; the clipped sum
-adds whatever the float32 sums make of it. When an example's terms cancel (two time steps or
+adds whatever the sums make of it (float32 sums then, float64 since session 15). When an example's terms cancel (two time steps or
 two tokens of one id with gradients +-Y), its exact gradient is 0 but its terms in the batch
 sums are huge, and their rounding is all it adds. Before the fix:
 

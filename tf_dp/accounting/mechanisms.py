@@ -133,10 +133,12 @@ def gaussian_mu_law(noise_multiplier: float) -> MuLaw:
 
 
 #: τ of the JL mechanism's sensitivity ``C (sqrt(r / X) + τ)``: the private step keeps every
-#: JL clip bound at or above E_i / τ, E_i the rounding its float32 weighted sums can add for
-#: example i beyond its exact gradient (``tf_dp.core.norm_strategies.jl_clip_bounds``), so an
-#: example adds at most ``C (||g_i|| / M_i + τ)``. Larger τ clips fewer ill-conditioned
-#: examples (terms far larger than their sum) below their estimate; smaller τ costs less ε.
+#: JL clip bound at or above E_i / τ, E_i the rounding its weighted sums can add for example
+#: i beyond its exact gradient (``tf_dp.core.norm_strategies.jl_clip_bounds``), so an example
+#: adds at most ``C (||g_i|| / M_i + τ)``. τ was sized for float32 sums; the sums are float64
+#: since session 15, where E_i / τ exceeds M_i only for terms ~1e10 times their sum, and τ
+#: is kept. Larger τ clips fewer ill-conditioned examples (terms far larger than their sum)
+#: below their estimate; smaller τ costs less ε.
 JL_ROUNDING_SLACK = 2.0**-9
 
 

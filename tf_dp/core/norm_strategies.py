@@ -279,7 +279,7 @@ class JL(NormStrategy):
 
 def jl_clip_bounds(norms, factors):
     """The JL clip bounds: ``max(M_i, E_i / tau)``, ``M_i`` the JL estimates, ``E_i`` the
-    bound of how much the float32 weighted sums of ``factors`` can add for example i beyond
+    bound of how much the float64 weighted sums of ``factors`` can add for example i beyond
     its exact gradient (``Factors.sum_slack``, combined over weights as the norm of a
     concatenation), tau = ``mechanisms.JL_ROUNDING_SLACK``.
 
