@@ -116,5 +116,37 @@ def test_sums_reach_the_optimizer_in_float64_and_are_rounded_once_after_the_nois
     opt.apply_private([tf.constant([total], tf.float64)], [variable], expected)
     np.testing.assert_array_equal(variable.numpy(), -np.float32([once]))
 
+
+def _linear_keras_loss(y, pred):
+    return tf.reduce_sum(pred * y, axis=-1)
+
+
+def _accumulated(rows):
+    """The float64 sum of one logical batch of ``rows`` split into micro-batches of one
+    example (``max_physical_batch_size=1``), as the private train step accumulates it."""
+    from tf_dp.keras import make_private  # noqa: PLC0415
+    from tf_dp.optimizers import DPSGD  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    model = make_private(_dense_model())
+    model.compile(optimizer=DPSGD(_C, 0.0, learning_rate=1.0), loss=_linear_keras_loss)
+    model.optimizer.build(model.trainable_variables)
+    grads, _ = model._dp_accumulate(tf.ones([len(rows), 1]), tf.constant(rows), None,
+                                    model.trainable_variables, 1, max_rows=1, clip=_C)
+    return grads[0].numpy().astype(np.float64).ravel()
+
+
+def test_micro_batches_are_accumulated_in_float64(monkeypatch):
+    # The same attack over micro-batches of one example each: their sums are added to the
+    # logical batch's in float64, so the target moves it by itself.
+    moved, target = _moved(_accumulated, 256)
+    assert moved == pytest.approx(np.linalg.norm(target), rel=1e-9, abs=1e-12 * _C)
+    from tf_dp.core import ghost  # noqa: PLC0415
+
+    monkeypatch.setattr(precision, "SUM_DTYPE", tf.float32)
+    monkeypatch.setattr(ghost, "SUM_DTYPE", tf.float32)
+    moved32, _ = _moved(_accumulated, 256)
+    assert moved32 > 10 * np.linalg.norm(target), (moved32, np.linalg.norm(target))
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
