@@ -87,8 +87,8 @@ class NormStrategy:
                     weights[i] = w_k
         # In float64 (ghost.SUM_DTYPE), whatever the variables' dtype: they are rounded to it
         # once, after the noise (DPOptimizerMixin.apply_private).
-        grads = [tf.cast(tf.convert_to_tensor(f.weighted_sum(w)), ghost.SUM_DTYPE)
-                 for f, w in zip(factors, weights)]
+        grads = [tf.cast(tf.convert_to_tensor(g), ghost.SUM_DTYPE)
+                 for g in ghost.joint_weighted_sums(factors, weights)]
         return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
                           norms=tf.cast(norms, losses.dtype))
 

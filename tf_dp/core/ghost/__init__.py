@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_dp.core.ghost.capture import GhostContext, capturable_layers, capture
 from tf_dp.core.ghost.factors import (FactorOptions, Factors, MaterialisedFactors,
-                                      combined_norms, factors_for)
+                                      combined_norms, factors_for, joint_weighted_sums)
 from tf_dp.core.ghost.precision import (SUM_DTYPE, accumulation_dtype, computes_in_float16,
                                         weighted_per_example_sum)
 from tf_dp.core.ghost.registry import register_ghost_rule, registered_classes, rule_for
@@ -103,5 +103,5 @@ from tf_dp.core.ghost import rules  # noqa: E402,F401
 __all__ = ["DirectTerm", "EmbeddingTerm", "FactorOptions", "Factors", "GhostContext",
            "MaterialisedFactors", "OuterTerm", "SUM_DTYPE", "accumulation_dtype", "backward",
            "capturable_layers", "capture", "combined_norms", "computes_in_float16",
-           "conv_patches", "factors_for", "register_ghost_rule", "registered_classes", "rows",
+           "conv_patches", "factors_for", "joint_weighted_sums", "register_ghost_rule", "registered_classes", "rows",
            "rule_for", "weighted_per_example_sum"]

@@ -76,12 +76,14 @@ def accumulation_dtype(dtype):
 
 
 def contraction_slack(terms, size):
-    """(B,) float64 or a float: how much a float64 weighted sum of ``terms`` terms (in any
-    order; products ``w_i x`` and ``(w_i x) y`` rounded, then at most ``terms - 1``
-    additions) can add for an example whose terms' sizes sum to ``size``, per unit weight:
-    gamma_{terms+2} (float64) times ``size`` (Higham, Sec. 3.1: every term is carried by at
-    most that many roundings to the result), with a rounding of its own covered."""
-    return gamma(terms + 3, tf.float64) * size
+    """(B,) float64 or a float: how much a float64 weighted sum of ``terms`` terms can add
+    for an example whose terms' sizes sum to ``size``, per unit weight. The sum is formed
+    over chunks of examples (``factors.joint_weighted_sums``): within a chunk, in any order,
+    the products ``w_i x`` and ``(w_i x) y`` and at most ``terms - 1`` additions; the chunks'
+    sums then added in turn, at most ``terms`` more. So every term reaches the result
+    through at most 2 terms + 1 roundings (Higham, Sec. 3.1): gamma_{2 terms + 2} (float64)
+    times ``size``, with a rounding of its own covered."""
+    return gamma(2 * terms + 3, tf.float64) * size
 
 
 def computes_in_float16(model) -> bool:
