@@ -27,7 +27,28 @@ def test_subsampled_gaussian_profile_matches_quadrature(direction, eps):
     assert float(d) == pytest.approx(_quad_hockey(p, qq, eps, points=[0.0, mu]), abs=1e-10)
 
 
-def _jl_one_step_delta(eps, sigma, r, tau=mechanisms.JL_ROUNDING_SLACK):
+#: τ for the tests of how the JL law carries τ: the session-14 value (float32 sums), large
+#: enough to move the law measurably; tf_dp's is 2^-20 since its sums are float64.
+_TAU = 2.0**-9
+
+
+def _clear_caches():
+    for fn in (mechanisms.jl_mu_law, mechanisms.split_jl_mu_law, composition._probe,
+               composition.step_plds):
+        fn.cache_clear()
+
+
+@pytest.fixture
+def large_tau(monkeypatch):
+    """The law's τ set to ``_TAU`` (the memoised laws are recomputed, before and after)."""
+    _clear_caches()
+    monkeypatch.setattr(mechanisms, "JL_ROUNDING_SLACK", _TAU)
+    yield _TAU
+    monkeypatch.undo()
+    _clear_caches()
+
+
+def _jl_one_step_delta(eps, sigma, r, tau=_TAU):
     """E_μ[Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)], μ = (sqrt(r/X) + τ)/σ, X ~ χ²_r, by quad
     over X (τ: the rounding allowance of tf_dp's JL step, docs/privacy.md)."""
     chi2 = stats.chi2(r)
@@ -46,14 +67,14 @@ def _jl_one_step_delta(eps, sigma, r, tau=mechanisms.JL_ROUNDING_SLACK):
 
 
 @pytest.mark.parametrize("r", [1, 3, 10])
-def test_jl_one_unsubsampled_step_matches_mixture_integral(r):
+def test_jl_one_unsubsampled_step_matches_mixture_integral(r, large_tau):
     sigma, delta_step = 1.0, 1e-3
     eps = np.array([0.0, 0.5, 1.0, 2.0, 4.0])
     cap = 200.0
     upper, _ = composition.step_plds(sigma, 1.0, r, "remove", delta_step, cap)
     ours = pld.delta_for_epsilon(upper, eps)
     for e, d in zip(eps, ours):
-        ref = _jl_one_step_delta(float(e), sigma, r)
+        ref = _jl_one_step_delta(float(e), sigma, r, tau=large_tau)
         assert d >= ref - 1e-12, (e, d, ref)  # never below (pessimistic)
         assert d - ref <= 1e-6, (e, d, ref)
         # ... and the allowance is what lifts it above the law without it (Bu et al.'s).
@@ -61,9 +82,9 @@ def test_jl_one_unsubsampled_step_matches_mixture_integral(r):
             assert d > _jl_one_step_delta(float(e), sigma, r, tau=0.0) + 1e-7, (e, d)
 
 
-def test_jl_law_has_the_allowance_in_its_support_and_mass():
+def test_jl_law_has_the_allowance_in_its_support_and_mass(large_tau):
     # μ = (sqrt(r / X) + τ) / σ: nothing below τ / σ, and P(μ <= m) = P(X >= r / (σm - τ)^2).
-    sigma, r, tau = 2.0, 4, mechanisms.JL_ROUNDING_SLACK
+    sigma, r, tau = 2.0, 4, large_tau
     m = 1.3
     law = mechanisms.jl_mu_law(sigma, r, 40.0, mu_split=m)  # a panel edge at m
     assert law.mu_bottom > tau / sigma

@@ -49,7 +49,7 @@ class PrivacyAccountant:
     Each `step` records steps of the Poisson-subsampled Gaussian mechanism (add/remove
     adjacency) with noise multiplier σ and sampling probability q; with `num_projections=r` the
     step is the JL mechanism of Bu et al. (2021), whose sensitivity sqrt(r/χ²_r) is random but
-    revealed (tf_dp composes sqrt(r/χ²_r) + τ, τ = 2^-9 covering the rounding of the summed
+    revealed (tf_dp composes sqrt(r/χ²_r) + τ, τ = 2^-20 covering the rounding of the summed
     gradients, `mechanisms.JL_ROUNDING_SLACK`). Queries compose all recorded steps
     numerically (privacy loss distributions, FFT) and return a pessimistic value whose
     numerical error is below the tolerance.

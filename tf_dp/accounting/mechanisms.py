@@ -135,11 +135,11 @@ def gaussian_mu_law(noise_multiplier: float) -> MuLaw:
 #: τ of the JL mechanism's sensitivity ``C (sqrt(r / X) + τ)``: the private step keeps every
 #: JL clip bound at or above E_i / τ, E_i the rounding its weighted sums can add for example
 #: i beyond its exact gradient (``tf_dp.core.norm_strategies.jl_clip_bounds``), so an example
-#: adds at most ``C (||g_i|| / M_i + τ)``. τ was sized for float32 sums; the sums are float64
-#: since session 15, where E_i / τ exceeds M_i only for terms ~1e10 times their sum, and τ
-#: is kept. Larger τ clips fewer ill-conditioned examples (terms far larger than their sum)
-#: below their estimate; smaller τ costs less ε.
-JL_ROUNDING_SLACK = 2.0**-9
+#: adds at most ``C (||g_i|| / M_i + τ)``. 2^-9 while the sums were float32 (session 14);
+#: the sums are float64 since session 15 (E_i is gamma_{2BT+2} in float64 times the sum of
+#: the example's terms' sizes), so 2^-20 clips an example below its estimate only when its
+#: terms exceed its gradient ~10^5-fold at B T = 10^5, and costs ~1e-6 of ε.
+JL_ROUNDING_SLACK = 2.0**-20
 
 
 def _mu_from_chi2(x: np.ndarray, noise_multiplier: float, num_projections: int) -> np.ndarray:

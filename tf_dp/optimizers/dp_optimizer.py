@@ -466,7 +466,7 @@ class JLAlias:
     Works for any Keras model; close to non-private memory where ghost rules cover the large
     weights (the others' per-example gradients are materialised, as by the vectorized
     fallback). Each step is accounted as the JL mechanism (the clipped contribution has norm
-    <= C (sqrt(r / chi2_r) + tau), tau = 2^-9 for the rounding of the sums), whose epsilon is
+    <= C (sqrt(r / chi2_r) + tau), tau = 2^-20 for the rounding of the sums), whose epsilon is
     much larger than exact clipping's for small r: use small r for fast hyper-parameter
     search and large r (or exact clipping) for the final run.
 
