@@ -17,6 +17,8 @@ the cost):
   full      arrays sampled by fit at q = 1 (every row in every step: the batches are known
             without reading the samplers), sigma = 0, clipping active: the weights must be
             those of one process.
+  full_accum, full_physical  the same with gradient accumulation (2 micro-batches) and
+            adaptive clipping, or with physical batches of at most 3 rows.
 With more than one replica per worker (examples/_cpu_replicas.py: logical CPUs standing in
 for a worker's accelerators) `declared` is not run: a distributed dataset is refused there,
 and the result says with which error.
@@ -73,12 +75,18 @@ def run(strategy, mode):
         except ValueError as e:
             return {"error": str(e)}
         return {"error": None}
-    elif mode == "full":
+    elif mode.startswith("full"):
         x, y = data.regression()
+        opt_kwargs, fit_kwargs = data.full_variant(mode)
         with strategy.scope():
             model = make_private(data.mlp())
-            model.compile(optimizer=data.optimizer(), loss="mse")
-        model.fit(x, y, batch_size=len(x), epochs=data.FULL_STEPS, verbose=0)
+            model.compile(optimizer=data.optimizer(**opt_kwargs), loss="mse")
+        model.fit(x, y, epochs=data.FULL_STEPS, verbose=0, **fit_kwargs)
+        phases = [(p.noise_multiplier, p.sampling_probability, p.count)
+                  for p in model.accountant.phases]
+        return {"weights": [w.tolist() for w in model.get_weights()], "phases": phases,
+                "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+                "clip": float(keras.ops.convert_to_numpy(model.optimizer.current_clip()))}
     elif mode == "validation":
         # arrays sampled by fit on each worker's shard, the last quarter held out: every
         # worker evaluates all of it after each epoch
@@ -118,7 +126,8 @@ def main():
         strategy.num_replicas_in_sync)
     first = "declared" if local_replicas == 1 else "declared_refused"
     results = {mode: run(strategy, mode)
-               for mode in (first, "noise", "validation", "schedule", "full")}
+               for mode in (first, "noise", "validation", "schedule", "full", "full_accum",
+                            "full_physical")}
     results["num_replicas_in_sync"] = strategy.num_replicas_in_sync
     with open(out, "w") as f:
         json.dump(results, f)

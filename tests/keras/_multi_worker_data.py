@@ -39,10 +39,25 @@ def mlp():
     return model
 
 
-def optimizer():
+def optimizer(**kwargs):
     # Clipping active (C below most per-example norms), sigma = 0: the result is a function
     # of the batches alone, however they are split over workers.
-    return DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1, momentum=0.9)
+    return DPSGD(l2_norm_clip=0.3, noise_multiplier=0.0, learning_rate=0.1, momentum=0.9,
+                 **kwargs)
+
+
+def full_variant(mode):
+    """(optimizer kwargs, fit kwargs) of the q = 1 problems: plain, with accumulation and
+    adaptive clipping (its count summed over the cluster), with physical batches of 3."""
+    from tf_dp.core.clipping import AdaptiveClipping  # noqa: PLC0415
+
+    if mode == "full_accum":
+        # `batch_size` is one micro-batch: the logical batch is 2 x 20, every row (q = 1)
+        return dict(gradient_accumulation_steps=2, adaptive_clipping=AdaptiveClipping(
+            target_quantile=0.4, learning_rate=0.5)), dict(batch_size=N // 2)
+    if mode == "full_physical":
+        return {}, dict(batch_size=N, max_physical_batch_size=3)
+    return {}, dict(batch_size=N)
 
 
 def noise_problem():

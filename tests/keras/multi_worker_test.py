@@ -141,6 +141,29 @@ def test_full_batches_give_the_weights_of_one_process(cluster):
             np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["full_accum", "full_physical"])
+def test_accumulation_adaptive_clipping_and_physical_batches_give_one_process(cluster, mode):
+    """The q = 1 problem with gradient accumulation and adaptive clipping (the count of
+    unclipped examples summed over every replica of the cluster, so C moves as in one
+    process), or with physical batches of at most 3 rows: with 1 and 2 replicas per worker
+    the weights, C and the accounting are one process's."""
+    x, y = data.regression()
+    opt_kwargs, fit_kwargs = data.full_variant(mode)
+    model = make_private(data.mlp())
+    model.compile(optimizer=data.optimizer(**opt_kwargs), loss="mse")
+    model.fit(x, y, epochs=data.FULL_STEPS, verbose=0, **fit_kwargs)
+    clip = float(model.optimizer.current_clip())
+    if mode == "full_accum":
+        assert clip != 0.3  # C moved
+    for worker in cluster:
+        result = worker[mode]
+        assert result["iterations"] == data.FULL_STEPS
+        assert [p[1:] for p in result["phases"]] == [[1.0, data.FULL_STEPS]]
+        assert result["clip"] == pytest.approx(clip, rel=1e-9)
+        for got, want in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-5, atol=1e-6)
+
+
 def test_noise_is_added_once_for_the_cluster_and_divided_by_the_global_batch(cluster):
     """Zero loss, seeded noise (test only): after one step both workers hold exactly
     -z / (q N), z the step's noise draw. Noise from each worker would double it (the seeded
