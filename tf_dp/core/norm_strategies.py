@@ -29,7 +29,9 @@ from tf_dp.core.ghost.factors import EmbeddingFactors
 class ClippedSum:
     """Result of the clipping stage for one (micro-)batch."""
 
-    grads: list  # sum_i w_i g_i for each privatized variable, in the variable's shape
+    grads: list  # sum_i w_i g_i for each privatized variable, in the variable's shape, in
+    # float64 whatever the variable's dtype (ghost.SUM_DTYPE): apply_private rounds once,
+    # after the noise
     losses: tf.Tensor  # per-example losses (B,)
     y_pred: object  # model outputs, for metrics
     norms: tf.Tensor  # per-example gradient norms (B,) before clipping

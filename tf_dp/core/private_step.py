@@ -128,6 +128,10 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
         ``JL(r)``) or its name ("auto", "ghost", "vectorized", "jl" with
         ``num_projections``).
       seed: (2,) int seed of the JL directions (JL strategies).
+
+    Returns a ``ClippedSum`` whose ``grads`` are float64 whatever the variables' dtype: pass
+    them to ``DPOptimizerMixin.apply_private``, which adds the float64 noise and rounds once
+    (docs/privacy.md, "Sums over examples are formed in float64").
     """
     strategy = norm_strategies.get(norm_strategy, num_projections)
     check_exact_float_arithmetic()
