@@ -10,7 +10,9 @@ is tiny, but it pushes the partial sum over 2^e, where every small term is absor
 the target each small term rounds to a whole ulp below 2^e. So with B = 2048 a target of
 norm 3e-4 C moved the float32 sum by 0.063 C, 200 times its own size (session 15, measured on
 this CPU, whose matrix-vector product adds the rows in order). No example is clipped and no
-terms cancel. In float64 the sum moves by the target's gradient (to float64's rounding).
+terms cancel. A target of norm exactly C, placed so that it lands the partial sum just above
+2^e, moved the float32 sum by 1.062 C. In float64 the sum moves by the target's gradient (to
+float64's rounding).
 
 Each test also runs the attack with the sums switched back to float32 (``SUM_DTYPE``
 monkeypatched), and checks that it is amplified there: the test would catch a revert.
@@ -147,6 +149,43 @@ def test_micro_batches_are_accumulated_in_float64(monkeypatch):
     monkeypatch.setattr(ghost, "SUM_DTYPE", tf.float32)
     moved32, _ = _moved(_accumulated, 256)
     assert moved32 > 10 * np.linalg.norm(target), (moved32, np.linalg.norm(target))
+
+
+def _full_size_attack(batch):
+    """The attack with a target of norm exactly C (= 1), all of it in the attacked entries:
+    the big rows end 2 ulps above 2^e minus the target, so that the target lands the partial
+    sum just above 2^e. The rounding that the target's presence changes then adds to its own
+    contribution. Returns (rows with the target, rows without it)."""
+    width, big_count = 64, batch // 2
+    target = np.float32(1.0 / np.sqrt(width))
+    e = np.floor(np.log2(big_count / np.sqrt(width)))
+    ulp_above = 2.0**(e - 23)
+    goal = 2.0**e + 2 * ulp_above - float(target)
+    big = np.float32(goal / big_count)
+    partial = np.float32(0.0)
+    for _ in range(big_count - 1):
+        partial = np.float32(partial + big)
+    last = np.float32(np.float32(goal) - partial)  # the big rows' partial sum is goal
+    rows = np.concatenate([np.full((big_count - 1, width), big, np.float32),
+                           np.full((1, width), last, np.float32),
+                           np.full((1, width), target, np.float32),
+                           np.full((batch - big_count - 1, width), -0.49 * ulp_above,
+                                   np.float32)])
+    return rows, np.delete(rows, big_count, 0)
+
+
+def test_an_example_clipped_to_c_moves_the_sum_by_at_most_c(monkeypatch):
+    # No row is above C = 1 (nothing is clipped; every row is a valid clipped gradient). In
+    # float32 the target of norm C moved the sum of 2048 by 1.062 C.
+    with_target, without = _full_size_attack(2048)
+    assert np.linalg.norm(with_target, axis=1).max() <= 1.0
+
+    def moved():
+        return float(np.linalg.norm(_materialised_sum(with_target) - _materialised_sum(without)))
+
+    assert moved() <= 1.0 + 1e-9
+    monkeypatch.setattr(precision, "SUM_DTYPE", tf.float32)
+    assert moved() > 1.05
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
