@@ -295,8 +295,7 @@ def jl_clip_bounds(norms, factors):
     # The float64 sums of gradients formed outright (or of one product per entry) carry an
     # example's own terms through at most 2B + 2 roundings: the estimate is raised by that
     # factor, so that w_i times what they add stays within C ||g_i|| / M_i.
-    batch = tf.cast(tf.shape(norms)[0], tf.float64)
-    norms = norms * (1.0 + precision.contraction_slack(batch, 1.0))
+    norms = norms * precision.outright_sum_factor(norms)
     pairs = [(f, f.sum_slack()) for f in factors if hasattr(f, "sum_slack")]
     pairs = [(f, s) for f, s in pairs if s is not None]
     if not pairs:

@@ -560,6 +560,5 @@ def combined_norms(factors, like):
     # weighted sums of gradients formed outright (or of one product per entry) carry an
     # example's own terms through at most B + 2 roundings (precision.contraction_slack);
     # the factors whose terms may cancel have theirs in their bounds (sum_slack).
-    batch = tf.cast(tf.shape(like)[0], tf.float64)
-    return tf.sqrt(sq), tf.sqrt(bound_sq) * (1.0 + gamma(len(factors) + 4, tf.float64)) * (
-        1.0 + precision.contraction_slack(batch, 1.0))
+    return tf.sqrt(sq), (tf.sqrt(bound_sq) * (1.0 + gamma(len(factors) + 4, tf.float64))
+                         * precision.outright_sum_factor(like))

@@ -23,9 +23,10 @@ example of norm 3e-4 C, pushing a sequential float32 sum of 2048 examples across
 two, made 1023 other examples' terms round away: the sum moved by 0.063 C (Casacuberta et al.,
 "Widespread underestimation of sensitivity in differentially private libraries and how to
 fix it", CCS 2022; ``tests/privacy/float_sum_test.py``). In float64 an example's own share
-of the rounding is at most gamma_{n+2} (float64) times the sum of its terms' sizes, n the
-number of terms contracted, which its clip bound includes (``sum_slack``), and what it can do
-to the others' rounding is as small (docs/privacy.md).
+of the rounding is at most gamma_{2n+2} (float64) times the sum of its terms' sizes, n the
+number of terms contracted (``contraction_slack``), which its clip bound includes
+(``sum_slack``, ``outright_sum_factor``), and what it can do to the others' rounding is as
+small (docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def contraction_slack(terms, size):
     through at most 2 terms + 1 roundings (Higham, Sec. 3.1): gamma_{2 terms + 2} (float64)
     times ``size``, with a rounding of its own covered."""
     return gamma(2 * terms + 3, tf.float64) * size
+
+
+def outright_sum_factor(like):
+    """1 + ``contraction_slack(B, 1)`` for a (B,) tensor ``like``: what the float64 sums of
+    gradients formed outright (or of one product per entry) can add to an example's own
+    terms, as a factor on its norm. Exact bounds (``factors.combined_norms``) and JL
+    estimates (``norm_strategies.jl_clip_bounds``) are raised by it."""
+    return 1.0 + contraction_slack(tf.cast(tf.shape(like)[0], tf.float64), 1.0)
 
 
 def computes_in_float16(model) -> bool:
