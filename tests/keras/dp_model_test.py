@@ -333,13 +333,13 @@ def test_accumulation_splits_each_logical_batch_into_k_contiguous_micro_batches(
     model.compile(optimizer=DPSGD(1.0, 0.0, learning_rate=0.1, gradient_accumulation_steps=k),
                   loss="mse")
     # Two logical batches, of 7 (k = 3: sizes 2, 2, 3) and 3 (k = 4: sizes 0, 1, 1, 1: an
-    # empty micro-batch must be harmless).
+    # empty micro-batch must be harmless; it does not call the model: empty_batch_test).
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(7), epochs=1, verbose=0,
               dataset_size=len(x))
     assert int(model.optimizer.iterations) == 2
-    want = _micro(np.arange(7), k) + _micro(np.arange(7, 10), k)
+    want = [m for m in _micro(np.arange(7), k) + _micro(np.arange(7, 10), k) if len(m)]
     got = rec.log()
-    assert len(got) == 2 * k, [len(g) for g in got]
+    assert len(got) == 2 * k - (k == 4), [len(g) for g in got]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     assert all(np.isfinite(w).all() for w in model.get_weights())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import warnings
 import weakref
@@ -26,6 +27,8 @@ _FIXED_BATCH_NOTE = (
     "at q = batch / dataset size. That is outside the proven guarantee; pass arrays to fit() "
     "(Poisson sampling is then done for you) or a tf_dp.data.PoissonSampler for a guarantee "
     "that matches the accounting.")
+
+_LOG = logging.getLogger("tf_dp")
 
 _BUDGET_KEY = "tf_dp_privacy_budget"
 #: the budget's node in a tf.train.Checkpoint of the model (its JSON record, no secret).
@@ -720,7 +723,9 @@ class DPTrainMixin:
             independence.check_before_private_training(self, x, y, sample_weight,
                                                        self._dp_loss, variables=variables)
         if expected is None:
-            expected = _global_count(private_step.batch_size_of(x))
+            # Not sampled by tf_dp (q = 1): the realised size is treated as public and is the
+            # divisor; an empty batch releases its noise divided by 1 (not by 0: NaN weights).
+            expected = tf.maximum(_global_count(private_step.batch_size_of(x)), 1.0)
         snr_kind = getattr(self, "_dp_gradient_snr", None)
         snr = opt.apply_private(grads, variables, expected, sampling_probability=q,
                                 carrier=carrier,
@@ -742,6 +747,46 @@ class DPTrainMixin:
         clipping) of one micro-batch."""
         opt = _dp_optimizer_of(self.optimizer)
         clip = opt.current_clip() if clip is None else clip
+
+        def nothing():
+            # No examples: a sum of zero, and no model call. A layer need not handle zero
+            # rows: oneDNN's convolutions return their input for an empty batch (TF 2.21),
+            # which crashed convolutional models on empty Poisson batches and empty parts.
+            return ([tf.zeros(v.shape, ghost.SUM_DTYPE) for v in variables],
+                    tf.constant(0.0, tf.float64))
+
+        def examples():
+            return self._dp_examples_step(x, y, sample_weight, variables, jl_seed, clip, opt)
+
+        n = private_step.batch_size_of(x)
+        if not isinstance(n, int):
+            # The metrics need no update on no rows (it would add zeros); the tf.cond traces
+            # the other branch, which builds them.
+            return tf.cond(n > 0, examples, nothing)
+        if n > 0:
+            return examples()
+        # Known to be empty (eager, or a static shape): this may be the first step, so the
+        # metrics are built by an empty update.
+        self._dp_build_metrics_on_nothing(x, y)
+        return nothing()
+
+    def _dp_build_metrics_on_nothing(self, x, y):
+        """An empty metrics update (it builds Keras' compiled metrics), with outputs of zero
+        rows shaped by the model's output spec; skipped if there is no spec."""
+        try:
+            spec = self.compute_output_spec(tf.nest.map_structure(
+                lambda t: None if t is None else keras.KerasTensor(
+                    (None,) + tuple(t.shape[1:]), t.dtype), x))
+            y_pred = tf.nest.map_structure(
+                lambda s: tf.zeros([0] + list(s.shape[1:]), s.dtype), spec)
+        except Exception as e:  # noqa: BLE001 (a model that cannot be run symbolically)
+            _LOG.debug("tf_dp: no output spec for an empty batch's metrics (%s)", e)
+            return
+        self._dp_update_metrics(x, y, private_step.ClippedSum(
+            grads=[], losses=tf.zeros([0]), y_pred=y_pred, norms=tf.zeros([0])), None)
+
+    def _dp_examples_step(self, x, y, sample_weight, variables, jl_seed, clip, opt):
+        """``_dp_micro_step`` of a micro-batch of at least one row."""
         result = loss_scale_lib.scaled_clipped_sum(
             self, x, y, sample_weight, self._dp_loss, opt.clip_spec(variables, clip),
             loss_scale=getattr(self, "_dp_loss_scale", None), variables=variables,

@@ -325,6 +325,10 @@ class DPOptimizerMixin:
         else:
             raise ValueError("`phase` needs `sampling_probability` as the sequence of the "
                              f"phases' q, got {sampling_probability!r}.")
+        if (isinstance(expected_batch_size, (int, float))
+                and not expected_batch_size > 0):  # a tensor is the caller's to check
+            raise ValueError(f"`expected_batch_size` must be positive, got "
+                             f"{expected_batch_size!r}.")
         for q in qs:
             if not 0 < q <= 1:
                 raise ValueError(f"`sampling_probability` must be in (0, 1], got "
