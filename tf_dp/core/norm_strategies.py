@@ -48,6 +48,13 @@ class _Batch:
     per_example_loss: object
     variables: list
     non_finite: str  # "error" or "zero", see ``clip_factors``
+    real: object = None  # (B,) bool: rows of non-zero sample weight; None without weights
+
+    @property
+    def drop_non_finite(self) -> bool:
+        """Whether weight-0 rows are zeroed in the sums: under the "zero" policy, and
+        whenever rows can have weight 0 (padding), whose inf or NaN must add nothing."""
+        return self.non_finite == "zero" or self.real is not None
 
 
 class NormStrategy:
@@ -66,7 +73,7 @@ class NormStrategy:
         (per-layer clipping: each group's part clipped to its own C_k).
         """
         batch = _Batch(model, x, y, sample_weight, per_example_loss, list(variables),
-                       non_finite)
+                       non_finite, real_rows(sample_weight))
         spec = l2_norm_clip if isinstance(l2_norm_clip, clipping.ClipSpec) else None
         if spec is not None and spec.groups and self.num_projections is not None:
             raise ValueError("Per-layer clipping needs exact per-example norms of every group; "
@@ -76,7 +83,7 @@ class NormStrategy:
         dtype = ghost.SUM_DTYPE  # the weighted sums apply the factors in float64
         if spec is None or not spec.groups:
             w = clip_factors(bounds, l2_norm_clip if spec is None else spec.clip, dtype,
-                             non_finite)
+                             non_finite, batch.real)
             weights = [w] * len(factors)
         else:
             # Per-layer clipping: group k's part of every example is clipped to C_k, so the
@@ -84,7 +91,7 @@ class NormStrategy:
             weights = [None] * len(factors)
             for group, c_k in zip(spec.groups, spec.group_clips()):
                 _, group_bounds = ghost.combined_norms([factors[i] for i in group], losses)
-                w_k = clip_factors(group_bounds, c_k, dtype, non_finite)
+                w_k = clip_factors(group_bounds, c_k, dtype, non_finite, batch.real)
                 for i in group:
                     weights[i] = w_k
         # In float64 (ghost.SUM_DTYPE), whatever the variables' dtype: they are rounded to it
@@ -152,7 +159,7 @@ class _ExactStrategy(NormStrategy):
         raise NotImplementedError
 
     def _factors_and_norms(self, batch, seed):
-        options = FactorOptions(drop_non_finite=batch.non_finite == "zero")
+        options = FactorOptions(drop_non_finite=batch.drop_non_finite)
         by_id, losses, y_pred = self._covered(batch, options)
         rest = [v for v in batch.variables if id(v) not in by_id]
         if rest:
@@ -227,7 +234,7 @@ class JL(NormStrategy):
                              "secret stream provides one per step).")
         r, variables = self._r, batch.variables
         options = FactorOptions(exact_norms=False, num_projections=r,
-                                drop_non_finite=batch.non_finite == "zero")
+                                drop_non_finite=batch.drop_non_finite)
         by_id, losses, y_pred = _ghost_pass(batch, options)
         rest = [v for v in variables if id(v) not in by_id]
         if rest:
@@ -334,7 +341,23 @@ def get(norm_strategy, num_projections=None) -> NormStrategy:
 # -------------------------------------------------------------------------- shared stages
 
 
-def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error"):
+def real_rows(sample_weight):
+    """(B,) bool: the rows of non-zero sample weight (any entry, for per-timestep weights),
+    or None without sample weights. Rows of weight 0 (Poisson padding) are not examples."""
+    if sample_weight is None:
+        return None
+    sw = tf.convert_to_tensor(sample_weight)
+    if sw.shape.rank is None or sw.shape.rank == 0:
+        raise ValueError(f"`sample_weight` must have one row per example, got shape "
+                         f"{sw.shape}.")
+    nonzero = tf.not_equal(sw, tf.zeros([], sw.dtype))
+    if sw.shape.rank > 1:
+        nonzero = tf.reduce_any(nonzero, axis=list(range(1, sw.shape.rank)))
+    return nonzero
+
+
+def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error",
+                 real=None):
     """``w_i = C / max(n_i, C)``, i.e. ``min(1, C/n_i)`` and 1 for a zero gradient.
 
     ``norms`` must bound the norm of what the weighted sums add for each example per unit
@@ -348,10 +371,17 @@ def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error
     ``non_finite``: "error" (non-finite norms stop training with a clear error instead of
     reaching the weights) or "zero" (such an example gets factor 0 and contributes nothing:
     a function of that example alone, so every example's contribution stays within C).
+
+    ``real``: optional (B,) bool, the rows that are examples (``real_rows``). The others
+    (sample weight 0: Poisson padding) get factor 0 and are never an error: a padding row of
+    zeros that a model maps to NaN (x / ||x||) used to stop every step that had padding.
     """
     if non_finite not in ("error", "zero"):
         raise ValueError(f"`non_finite` must be 'error' or 'zero', got {non_finite!r}.")
     norms = tf.cast(norms, tf.float64)
+    if real is not None:
+        real = tf.reshape(tf.cast(real, tf.bool), tf.shape(norms))
+        norms = tf.where(real, norms, tf.zeros_like(norms))
     if non_finite == "error":
         norms = tf.debugging.assert_all_finite(
             norms, "tf_dp: a per-example gradient is NaN or infinite (check the loss, inputs "
@@ -365,6 +395,8 @@ def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error
         w64 = c / tf.maximum(norms, c)
     if non_finite == "zero":
         w64 = tf.where(tf.math.is_finite(norms), w64, tf.zeros_like(w64))
+    if real is not None:
+        w64 = tf.where(real, w64, tf.zeros_like(w64))
     return tf.stop_gradient(tf.cast(w64, dtype))
 
 

@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from tf_dp import _internals
 from tf_dp.core import ghost, norm_strategies, randomness
-from tf_dp.core.norm_strategies import ClippedSum, batch_size_of, clip_factors  # noqa: F401
+from tf_dp.core.norm_strategies import (  # noqa: F401
+    ClippedSum, batch_size_of, clip_factors, real_rows)
 
 
 def check_no_cross_example_layers(model):

@@ -825,18 +825,20 @@ class DPTrainMixin:
         return list(out[2:]), out[1]
 
     def _dp_update_metrics(self, x, y, result, sample_weight):
-        y_pred = result.y_pred
+        y_pred, losses = result.y_pred, result.losses
         if sample_weight is not None:
             # Rows of weight 0 (Poisson padding) are not examples: keep them out of every
             # metric, including Keras' unweighted `metrics=`.
-            keep = tf.reshape(sample_weight, [tf.shape(result.losses)[0], -1])[:, 0] > 0
+            # (any non-zero entry: per-timestep weights may start with 0, left padding)
+            keep = private_step.real_rows(sample_weight)
             included = tf.reduce_sum(tf.cast(keep, result.losses.dtype))
             take = lambda s: tf.nest.map_structure(
                 lambda t: None if t is None else tf.boolean_mask(t, keep), s)
             x, y, y_pred, sample_weight = take(x), take(y), take(y_pred), take(sample_weight)
+            losses = tf.boolean_mask(losses, keep)  # a padding row's loss may be NaN
         else:
             included = tf.cast(tf.shape(result.losses)[0], result.losses.dtype)
-        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(result.losses), included)
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses), included)
         _internals.loss_tracker(self).update_state(mean_loss, sample_weight=included)
         compile_loss = _internals.compile_loss(self)
         if compile_loss is not None and len(tf.nest.flatten(y_pred)) > 1:
