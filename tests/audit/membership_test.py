@@ -119,7 +119,9 @@ def test_mislabeled_canaries_are_memorised_without_noise_and_not_with_it():
                                               cx, cy, fit, rng=rng)
     assert plain["epsilon"] == float("inf")
     assert plain["membership"]["auc"] > 0.75, plain["membership"]
-    assert plain["epsilon_lower_bound"] > 0.5
+    # Unseeded model and sampling: over 40 runs the bound was 1.25 +- 0.17 (min 0.92); 0.25 is
+    # 6 sd below (0.5 was 4.5 sd: a chance failure ~ 3e-6). The noised run's bound is 0.
+    assert plain["epsilon_lower_bound"] > 0.25
     assert plain["gdp"]["mu"] > 0 and plain["gdp"]["num_canaries"] == 200
     private = membership.input_canary_audit(lambda: _model(1.5, 1.0), x, y, 4, 200, cx, cy,
                                             dict(batch_size=64, epochs=5), rng=rng)
