@@ -265,11 +265,13 @@ def test_released_noise_has_the_split_stddevs():
     grads, counts = np.array(grads), np.array(counts)
     sg = clipping.gradient_noise_multiplier(z, sb)
     n = len(grads)
-    # std estimates within 5 standard errors (se of a sample std ~ sigma / sqrt(2n)).
-    assert abs(np.std(grads) - sg) < 5 * sg / np.sqrt(2 * n)
-    assert abs(np.std(counts) - sb) < 5 * sb / np.sqrt(2 * n)
-    assert abs(np.mean(counts)) < 5 * sb / np.sqrt(n)
-    assert abs(np.corrcoef(grads, counts)[0, 1]) < 5 / np.sqrt(n)
+    # Unseeded: estimates within 6 standard errors (se of a sample std ~ sigma / sqrt(2n)),
+    # 2e-9 each (at 5, four checks failed by chance w.p. 2.3e-6). sigma_g is 1.28 against
+    # z = 1: 17 se apart.
+    assert abs(np.std(grads) - sg) < 6 * sg / np.sqrt(2 * n)
+    assert abs(np.std(counts) - sb) < 6 * sb / np.sqrt(2 * n)
+    assert abs(np.mean(counts)) < 6 * sb / np.sqrt(n)
+    assert abs(np.corrcoef(grads, counts)[0, 1]) < 6 / np.sqrt(n)
     # Every step recorded once, at the joint noise multiplier z (what epsilon is for).
     steps = opt.drain_steps()
     assert sum(s[-1] for s in steps) == n

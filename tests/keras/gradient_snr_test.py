@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from scipy import stats  # noqa: E402
 
 import tf_dp  # noqa: E402
 from tests import _reference as ref  # noqa: E402
@@ -52,9 +53,12 @@ def test_exact_snr_is_signal_norm_over_realised_noise_norm():
         history, sums, noise, model = _one_step("exact")
     want = _norm(sums) / _norm(noise)
     assert history.history["gradient_snr"][-1] == pytest.approx(want, rel=2e-3)
-    # The realised noise has the expected size (a check on the recovery itself).
+    # The realised noise has the expected size (a check on the recovery itself): unseeded,
+    # ||n||^2 / (sigma C)^2 ~ chi^2_d, accepted at level 1e-7 (d = 23: ||n|| within 0.34 to
+    # 1.85 times sigma C sqrt(d); rel=0.6, i.e. 0.4 to 1.6, failed by chance w.p. 6e-5).
     d = sum(t.size for t in noise)
-    assert _norm(noise) == pytest.approx(2.0 * 0.5 * np.sqrt(d), rel=0.6)
+    lo, hi = stats.chi2.ppf([5e-8, 1 - 5e-8], d)
+    assert lo < (_norm(noise) / (2.0 * 0.5)) ** 2 < hi, (_norm(noise), 2.0 * 0.5 * np.sqrt(d))
     assert any(c.startswith("EXACT_GRADIENT_SNR") for c in model.privacy_caveats)
 
 
@@ -91,7 +95,9 @@ def test_snr_rises_with_the_batch_size():
         history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, gradient_snr="exact",
                             steps_per_epoch=4)
         snrs.append(history.history["gradient_snr"][-1])
-    assert snrs[1] > 4 * snrs[0]
+    # Unseeded noise and sampling, one step's SNR each: over 30 runs the ratio was 14
+    # (log sd 0.31, min 7.5). "> 4" was 4.1 log-sds below (~2e-5); "> 2" is 6.4 below.
+    assert snrs[1] > 2 * snrs[0], snrs
 
 
 def test_bad_gradient_snr_is_refused():

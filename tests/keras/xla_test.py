@@ -131,8 +131,9 @@ def test_xla_keeps_the_noise_at_sigma_c_over_the_batch():
     assert model.jit_compile is True
     update = np.concatenate([w.ravel() for w in model.get_weights()])
     std, n = sigma * clip / batch, update.size
-    assert abs(update.std() / std - 1) < 5 / math.sqrt(2 * n), update.std() / std
-    assert abs(update.mean()) < 5 * std / math.sqrt(n)
+    # Unseeded: 6 standard errors, 2e-9 each (at 5, the two checks failed w.p. 1.1e-6).
+    assert abs(update.std() / std - 1) < 6 / math.sqrt(2 * n), update.std() / std
+    assert abs(update.mean()) < 6 * std / math.sqrt(n)
 
 
 if __name__ == "__main__":
