@@ -2,9 +2,9 @@
 
 PoissonSampler(pad_to=...) pads every batch with rows of zeros and weight 0. A model that
 maps a zero row to NaN or inf (x / ||x||, log x) gave that row a NaN loss gradient (0 * NaN),
-so the "error" policy stopped every step that had padding, and the "zero" policy relied on
-the factor alone. Now such rows get clip factor 0, are zeroed in the sums, are never an
-error, and stay out of the logged loss; a real example that is NaN is still an error.
+so the "error" policy stopped every step that had padding. Now such rows get clip factor 0,
+are zeroed in the sums when these are not finite, are never an error, and stay out of the
+logged loss. (Since session 16 the private step drops non-finite real examples too.)
 """
 
 import os
@@ -92,12 +92,70 @@ def test_nan_padding_rows_add_nothing_and_are_not_an_error(strategy, non_finite,
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
 
 
-def test_a_real_example_that_is_nan_is_still_an_error():
+def test_a_real_example_that_is_nan_adds_nothing():
+    # Since session 16 a non-finite real example is dropped too (clip factor 0), never a
+    # stop, whose timing would tell whether it was sampled.
     model = _model()
     (x, y), (xp, yp, sw) = _batch()
     sw[-1] = 1.0  # a zero row that is an example
-    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN or infinite"):
-        clipped_sum(model, xp, yp, sw, _LOSS, 0.7)
+    got = clipped_sum(model, xp, yp, sw, _LOSS, 0.7)
+    want = clipped_sum(model, x, y, np.ones(len(x), "float32"), _LOSS, 0.7)
+    assert np.isnan(got.losses.numpy()[-1])
+    for a, b in zip(got.grads, want.grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _sequence_model():
+    # An embedding table (EmbeddingFactors), a Dense and a Conv1D over 6 positions (outer
+    # factors with T > 1: Gram norms), a LayerNormalization and a custom weight (materialised).
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(12, 4),
+        keras.layers.Dense(5, "tanh"), keras.layers.Conv1D(3, 2),
+        keras.layers.LayerNormalization(), _Scale(), keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(2)])
+    rng = np.random.default_rng(5)
+    model.set_weights([rng.normal(0, 1, w.shape).astype("float32") for w in model.weights])
+    return model
+
+
+def _log_loss(y_true, y_pred, sample_weight):
+    # -log(y) * sum(outputs): infinite, with an infinite gradient, for a target of 0.
+    per = -tf.math.log(tf.cast(y_true, tf.float32)) * tf.reduce_sum(y_pred, axis=-1)
+    return per if sample_weight is None else per * tf.cast(sample_weight, tf.float32)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+@pytest.mark.parametrize("strategy", ["auto", "vectorized", "jl", "per_layer"])
+def test_an_infinite_example_adds_nothing_whatever_its_factors(strategy, chunk_bytes,
+                                                              monkeypatch):
+    # Its output gradient is infinite, so every factor kind holds inf for it: its clip bound
+    # is then not finite (what lets the sums zero it only when a bound is not finite), and
+    # the sums are those of the batch without it. chunk_bytes = 1: the sums run over chunks
+    # of one example (the loop's grouped conds), else at once.
+    from tf_dp.core.ghost import factors as factors_lib
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(factors_lib, "_SUM_CHUNK_BYTES", chunk_bytes)
+    model = _sequence_model()
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 12, (5, 6)).astype("int32")
+    y = rng.uniform(0.5, 2.0, 5).astype("float32")
+    y_bad = y.copy()
+    y_bad[3] = 0.0
+    clip, name = _clip(model, strategy)
+    kwargs = dict(norm_strategy=name)
+    if name == "jl":
+        kwargs.update(num_projections=3, seed=tf.constant([5, 9], tf.int64))
+    keep = np.array([1, 1, 1, 0, 1], "float32")
+    got = clipped_sum(model, x, y_bad, None, _log_loss, clip, **kwargs)
+    want = clipped_sum(model, x, y, keep, _log_loss, clip, **kwargs)
+    assert not np.isfinite(got.losses.numpy()[3])
+    moved = 0.0
+    for a, b in zip(got.grads, want.grads):
+        assert np.isfinite(a.numpy()).all()
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
+        moved += float(np.abs(b.numpy()).sum())
+    assert moved > 0
 
 
 def test_per_timestep_weights_whose_first_entries_are_zero_are_examples():

@@ -83,9 +83,9 @@ def test_the_chunk_follows_the_largest_float64_copy_per_example(monkeypatch):
     seen = []
     real = factors_lib._chunked_sums
 
-    def spy(looped, chunk):
+    def spy(looped, chunk, sanitize=None):
         seen.append(chunk)
-        return real(looped, chunk)
+        return real(looped, chunk, sanitize)
 
     monkeypatch.setattr(factors_lib, "_chunked_sums", spy)
     monkeypatch.setattr(factors_lib, "_SUM_CHUNK_BYTES", 4 * 8 * 2 * (256 + 130) + 7)

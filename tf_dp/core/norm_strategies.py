@@ -13,7 +13,6 @@ implements ``_factors_and_norms``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import tensorflow as tf
@@ -51,10 +50,6 @@ class _Batch:
     non_finite: str  # "error" or "zero", see ``clip_factors``
     real: object = None  # (B,) bool: rows of non-zero sample weight; None without weights
 
-    @property
-    def drop_non_finite(self) -> bool:
-        """Whether the factors zero the weight-0 rows in every sum (the "zero" policy)."""
-        return self.non_finite == "zero"
 
 
 class NormStrategy:
@@ -97,7 +92,7 @@ class NormStrategy:
         # In float64 (ghost.SUM_DTYPE), whatever the variables' dtype: they are rounded to it
         # once, after the noise (DPOptimizerMixin.apply_private).
         grads = [tf.cast(tf.convert_to_tensor(g), ghost.SUM_DTYPE)
-                 for g in _weighted_sums(batch, factors, weights)]
+                 for g in _weighted_sums(batch, factors, weights, bounds)]
         return ClippedSum(grads=grads, losses=losses, y_pred=y_pred,
                           norms=tf.cast(norms, losses.dtype))
 
@@ -118,30 +113,24 @@ class NormStrategy:
         return hash((type(self), self.num_projections))
 
 
-def _weighted_sums(batch: _Batch, factors, weights):
-    """``ghost.joint_weighted_sums``, with the rows of weight 0 adding nothing even where
-    their factors are inf or NaN (a padding row of zeros that the model maps to NaN).
+def _weighted_sums(batch: _Batch, factors, weights, bounds):
+    """``ghost.joint_weighted_sums``, with the examples of clip factor 0 adding nothing even
+    where their factors are inf or NaN: rows of sample weight 0 (a padding row of zeros that
+    the model maps to NaN) and, under the "zero" policy, examples whose gradient is not
+    finite.
 
-    Their clip factor is 0 (``clip_factors``), so finite factors add exact zeros. Zeroing
-    them in every factor (``tf.where``) cost 7-20 % of a step with sample weights, so it is
-    done only if the plain sums are not finite; under the "zero" policy the factors always
-    zero them (``FactorOptions.drop_non_finite``)."""
-    plain = ghost.joint_weighted_sums(factors, weights)
-    if batch.real is None or batch.drop_non_finite or not plain:
-        return plain
-    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in plain]))
-    return tf.cond(finite, lambda: plain, lambda: ghost.joint_weighted_sums(
-        [_dropping(f) for f in factors], weights))
-
-
-def _dropping(factors):
-    """A copy of ``factors`` whose sums zero the rows of weight 0 (as is without options:
-    a Factors type of an extension)."""
-    if not isinstance(getattr(factors, "options", None), FactorOptions):
-        return factors
-    out = copy.copy(factors)
-    out.options = dataclasses.replace(factors.options, drop_non_finite=True)
-    return out
+    Their clip factor is 0 (``clip_factors``), so finite factors add exact zeros. A
+    non-finite factor entry makes the example's clip bound non-finite (every bound is formed
+    from every entry: sums of squares, Gram matrices, l1 products, JL projections;
+    ``padding_rows_test`` pins it for each kind of factors), so the factors are zeroed (a
+    ``tf.where``, 7-20 % of a step when it was always on) only when some bound is not finite.
+    The flag is data dependent, as the step's time is: timing is outside the threat model
+    (docs/privacy.md)."""
+    if batch.real is None and batch.non_finite == "error":
+        # Every example is real and a non-finite one stops the step (clip_factors).
+        return ghost.joint_weighted_sums(factors, weights)
+    sanitize = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.cast(bounds, tf.float64))))
+    return ghost.joint_weighted_sums(factors, weights, sanitize=sanitize)
 
 
 def _ghost_pass(batch: _Batch, options: FactorOptions):
@@ -185,7 +174,7 @@ class _ExactStrategy(NormStrategy):
         raise NotImplementedError
 
     def _factors_and_norms(self, batch, seed):
-        options = FactorOptions(drop_non_finite=batch.drop_non_finite)
+        options = FactorOptions()
         by_id, losses, y_pred = self._covered(batch, options)
         rest = [v for v in batch.variables if id(v) not in by_id]
         if rest:
@@ -259,8 +248,7 @@ class JL(NormStrategy):
             raise ValueError("JL norms need a `seed` for their directions (the optimizer's "
                              "secret stream provides one per step).")
         r, variables = self._r, batch.variables
-        options = FactorOptions(exact_norms=False, num_projections=r,
-                                drop_non_finite=batch.drop_non_finite)
+        options = FactorOptions(exact_norms=False, num_projections=r)
         by_id, losses, y_pred = _ghost_pass(batch, options)
         rest = [v for v in variables if id(v) not in by_id]
         if rest:

@@ -99,18 +99,22 @@ def check_exact_float_arithmetic():
 
 
 def non_finite_policy(model):
-    """How ``clip_factors`` treats non-finite per-example gradients of ``model``.
+    """How ``clip_factors`` treats non-finite per-example gradients of ``model``: "zero",
+    always (since session 16).
 
-    "zero" when a layer computes in float16, whose range (65504) makes a per-example overflow
-    of the backward pass an expected numeric event that must not stop (or, as dynamic loss
-    scaling would, skip) the step depending on the data, and under XLA, which drops the
-    "error" policy's CheckNumerics assertion from the compiled step (session 13 audit: one
-    example with an infinite loss gradient then made every weight NaN, released whenever it
-    was sampled); "error" otherwise.
+    An example whose gradient is NaN or infinite gets the clip factor 0 and adds nothing: a
+    function of that example alone, so every example's contribution stays within C. The
+    "error" policy, a CheckNumerics stop, was the default without float16 and XLA until
+    session 16: the stop is observable, so whoever could plant such an example learned from
+    whether training stopped whether it was sampled (a release no accounting covers; under
+    XLA, which drops the assertion, the example made every weight NaN instead, session 13
+    audit). Its cost argument is gone: the examples are zeroed in the sums only when the
+    plain sums are not finite (``norm_strategies._weighted_sums``). The logged training
+    loss, outside the guarantee, still shows a non-finite loss to whoever reads it.
+    ``model`` is kept for callers that pass it.
     """
-    if ghost.computes_in_float16(model) or _internals.compiling_with_xla():
-        return "zero"
-    return "error"
+    del model
+    return "zero"
 
 
 @tf.autograph.experimental.do_not_convert

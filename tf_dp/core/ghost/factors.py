@@ -82,8 +82,10 @@ class Factors:
         None when it is formed at once (``whole_sum``)."""
         return None
 
-    def whole_sum(self, w):
-        """The weighted sum formed at once (factors without ``sum_parts``)."""
+    def whole_sum(self, w, sanitize=None):
+        """The weighted sum formed at once (factors without ``sum_parts``). ``sanitize``:
+        None, or a scalar bool tensor; when it holds, the examples of weight 0 are zeroed
+        first (``joint_weighted_sums``)."""
         raise NotImplementedError
 
 
@@ -345,10 +347,12 @@ class EmbeddingFactors(Factors):
         return tf.stack([tf.einsum("btd,btd->b", tf.gather(v[j], pos), self.g)
                          for j in range(r)])
 
-    def whole_sum(self, w):
+    def whole_sum(self, w, sanitize=None):
         # At once: a chunk's sum is a dense table (rows x width) in float64.
         drop = self.options.drop_non_finite
         g = precision.drop_examples(self.g, w) if drop else self.g
+        if sanitize is not None and not drop:
+            g = sanitized([g], w, sanitize)[0]
         f64 = precision.SUM_DTYPE
         rows_out, width = self.variable.shape[0], self.variable.shape[-1]
         # In float64: the float32 segment sum let an example whose tokens cancel absorb the
@@ -369,8 +373,27 @@ def _entries(t):
 _SUM_CHUNK_BYTES = 16 << 20
 
 
-def joint_weighted_sums(factors, weights):
+def sanitized(tensors, w, sanitize):
+    """``tensors`` (per-example, rows first) with the examples of weight 0 zeroed when the
+    scalar bool tensor ``sanitize`` holds (a ``tf.cond``: nothing is copied otherwise); as
+    they are when ``sanitize`` is None. ``w``: the (B,) weights, or one per tensor."""
+    tensors = list(tensors)
+    if sanitize is None:
+        return tensors
+    ws = list(w) if isinstance(w, (list, tuple)) else [w] * len(tensors)
+    out = tf.cond(sanitize,
+                  lambda: tuple(precision.drop_examples(t, v) for t, v in zip(tensors, ws)),
+                  lambda: tuple(tensors))
+    return list(tf.nest.flatten(out))
+
+
+def joint_weighted_sums(factors, weights, sanitize=None):
     """``sum_i w_i g_i`` of every factor with its (B,) ``weights``, in float64.
+
+    ``sanitize``: None, or a scalar bool tensor; when it holds, the examples of weight 0 add
+    nothing even where their factors are inf or NaN (0 * inf is NaN): each chunk's tensors
+    are zeroed there first (``sanitized``). A ``tf.cond`` around the zeroing only, so the
+    sums are traced once and ordinary steps copy nothing.
 
     Factors with ``sum_parts`` are summed over chunks of examples in ONE sequential loop for
     all of them (one loop body in the graph, as ``precision.joint_gram_norms``), each chunk's
@@ -383,7 +406,7 @@ def joint_weighted_sums(factors, weights):
     for k, (f, w) in enumerate(zip(factors, weights)):
         parts = f.sum_parts()
         if parts is None:
-            out[k] = f.whole_sum(w)
+            out[k] = f.whole_sum(w) if sanitize is None else f.whole_sum(w, sanitize=sanitize)
         else:
             looped.append((k, w, *parts, f.variable.shape))
     if not looped:
@@ -393,29 +416,65 @@ def joint_weighted_sums(factors, weights):
     batch = looped[0][2][0].shape[0]
     if (chunk is None or _internals.compiling_with_xla()
             or (batch is not None and batch <= chunk)):
-        sums = precision._in_order([lambda w=w, t=t, fn=fn: fn(w, *t)  # noqa: SLF001
-                                    for _, w, t, fn, _, _ in looped])
+        sums = _group_parts(looped, lambda t: t, lambda w: w, sanitize, [])
     else:
-        sums = _chunked_sums(looped, chunk)
+        sums = _chunked_sums(looped, chunk, sanitize)
     for (k, *_), total in zip(looped, sums):
         out[k] = total
     return out
 
 
-def _chunked_sums(looped, chunk):
+def _group_parts(looped, rows, weight_rows, sanitize, last):
+    """Every looped factor's float64 sum over the examples ``rows`` selects, one weight's
+    float64 copies at a time (each waits for the previous part). With ``sanitize``, one
+    ``tf.cond`` zeroes the weight-0 examples of a group of consecutive factors whose float32
+    copies take at most twice the largest factor's bytes (``_sanitize_groups``): a cond per
+    weight cost the Transformer's first step ~1 s of tracing."""
+    parts = []
+    for group in _sanitize_groups(looped, sanitize):
+        entries = [looped[k] for k in group]
+        tensors = [[rows(t) for t in e[2]] for e in entries]
+        with tf.control_dependencies(last):
+            flat = sanitized([t for ts in tensors for t in ts],
+                             [weight_rows(e[1]) for e, ts in zip(entries, tensors)
+                              for _ in ts], sanitize)
+        for e, ts in zip(entries, tensors):
+            mine, flat = flat[:len(ts)], flat[len(ts):]
+            with tf.control_dependencies(last):
+                part = e[3](weight_rows(e[1]), *mine)
+            last = [part]
+            parts.append(part)
+    return parts
+
+
+def _sanitize_groups(looped, sanitize):
+    """Indices of ``looped`` in groups of consecutive factors sharing one sanitizing cond:
+    each group's bytes per example at most twice the largest factor's (one factor per group
+    without ``sanitize`` or known sizes)."""
+    sizes = [b for *_, b, _ in looped]
+    if sanitize is None or not all(sizes):
+        return [[k] for k in range(len(looped))]
+    budget, groups, total = 2 * max(sizes), [], 0
+    for k, b in enumerate(sizes):
+        if groups and total + b <= budget:
+            groups[-1].append(k)
+            total += b
+        else:
+            groups.append([k])
+            total = b
+    return groups
+
+
+def _chunked_sums(looped, chunk, sanitize=None):
     batch = tf.shape(looped[0][2][0])[0]
     count = (batch + chunk - 1) // chunk
 
     def body(i, totals):
         start = i * chunk
         stop = tf.minimum(start + chunk, batch)
-        new, last = [], []
-        for (_, w, tensors, fn, _, _), total in zip(looped, totals):
-            with tf.control_dependencies(last):  # one weight's float64 copies at a time
-                part = fn(w[start:stop], *[t[start:stop] for t in tensors])
-            last = [part]
-            new.append(total + part)
-        return i + 1, tuple(new)
+        parts = _group_parts(looped, lambda t: t[start:stop], lambda w: w[start:stop],
+                             sanitize, [])
+        return i + 1, tuple(total + part for total, part in zip(totals, parts))
 
     init = tuple(tf.zeros(shape, precision.SUM_DTYPE) for *_, shape in looped)
     _, totals = tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), init),
