@@ -51,7 +51,6 @@ class _Batch:
     real: object = None  # (B,) bool: rows of non-zero sample weight; None without weights
 
 
-
 class NormStrategy:
     """Base class: subclasses give per-weight factors and per-example norm bounds."""
 

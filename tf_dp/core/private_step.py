@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp import _internals
-from tf_dp.core import ghost, norm_strategies, randomness
+from tf_dp.core import norm_strategies, randomness
 from tf_dp.core.norm_strategies import (  # noqa: F401
     ClippedSum, batch_size_of, clip_factors, real_rows)
 
@@ -108,8 +108,8 @@ def non_finite_policy(model):
     session 16: the stop is observable, so whoever could plant such an example learned from
     whether training stopped whether it was sampled (a release no accounting covers; under
     XLA, which drops the assertion, the example made every weight NaN instead, session 13
-    audit). Its cost argument is gone: the examples are zeroed in the sums only when the
-    plain sums are not finite (``norm_strategies._weighted_sums``). The logged training
+    audit). Its cost argument is gone: the examples are zeroed in the sums only when some
+    clip bound is not finite (``norm_strategies._weighted_sums``). The logged training
     loss, outside the guarantee, still shows a non-finite loss to whoever reads it.
     ``model`` is kept for callers that pass it.
     """
