@@ -33,13 +33,13 @@ class FactorOptions:
 
     exact_norms: form ``sq`` and ``bound`` (False for JL norms: only projections are used).
     num_projections: r, for the choice between projecting factors and materialising.
-    drop_non_finite: examples of weight 0 add nothing to weighted sums even if their factors
-      are inf or NaN (float16 backward passes can overflow).
+
+    (Examples of weight 0 whose factors are inf or NaN are zeroed by the sums themselves,
+    when told to: ``joint_weighted_sums(sanitize=)``.)
     """
 
     exact_norms: bool = True
     num_projections: int = 1
-    drop_non_finite: bool = False
 
 
 class Factors:
@@ -125,10 +125,10 @@ class MaterialisedFactors(Factors):
 
     def sum_parts(self):
         flat = precision.flat_per_example(self.per)
-        shape, drop = self.variable.shape, self.options.drop_non_finite
+        shape = self.variable.shape
 
         def fn(w, per):
-            return tf.reshape(precision.weighted_per_example_sum(w, per, drop), shape)
+            return tf.reshape(precision.weighted_per_example_sum(w, per), shape)
 
         return [flat], fn, 8 * _entries(flat)
 
@@ -266,11 +266,9 @@ class OuterFactors(Factors):
     def sum_parts(self):
         if self.per is not None:
             return MaterialisedFactors.sum_parts(self)
-        shape, drop = self.variable.shape, self.options.drop_non_finite
+        shape = self.variable.shape
 
         def fn(w, a, g):
-            if drop:
-                a, g = precision.drop_examples(a, w), precision.drop_examples(g, w)
             # In float64 (module doc of precision.py): the float32 product's blocked order
             # let an example whose terms cancel absorb the others' low bits (1.002 C).
             f64 = precision.SUM_DTYPE
@@ -349,10 +347,7 @@ class EmbeddingFactors(Factors):
 
     def whole_sum(self, w, sanitize=None):
         # At once: a chunk's sum is a dense table (rows x width) in float64.
-        drop = self.options.drop_non_finite
-        g = precision.drop_examples(self.g, w) if drop else self.g
-        if sanitize is not None and not drop:
-            g = sanitized([g], w, sanitize)[0]
+        g = sanitized([self.g], w, sanitize)[0]
         f64 = precision.SUM_DTYPE
         rows_out, width = self.variable.shape[0], self.variable.shape[-1]
         # In float64: the float32 segment sum let an example whose tokens cancel absorb the

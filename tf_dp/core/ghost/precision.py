@@ -582,17 +582,13 @@ def drop_examples(x, w):
     return tf.where(keep, x, tf.zeros_like(x))
 
 
-def weighted_per_example_sum(w, per, drop_non_finite=False):
+def weighted_per_example_sum(w, per):
     """``sum_i w_i per_i`` of materialised per-example gradients ``per`` (B, ...), in
     ``SUM_DTYPE`` (float64; see the module doc: in float32 one example could make the others
-    round away).
-
-    ``drop_non_finite``: examples of weight 0 add nothing even if their gradient is inf or
-    NaN (0 * inf would be NaN).
+    round away). Examples of weight 0 whose gradient is inf or NaN make it NaN (0 * inf):
+    ``factors.joint_weighted_sums(sanitize=)`` zeroes them first when a bound says so.
     """
     per = tf.cast(per, SUM_DTYPE)
-    if drop_non_finite:
-        per = drop_examples(per, w)
     if per.shape.rank == 2:
         # (1, B) x (B, n): a 2-D MatMul whatever the shapes' static knowledge (matvec's
         # product became a BatchMatMulV2 on chunks read from a TensorList, 4x slower).
