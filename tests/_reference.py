@@ -224,6 +224,25 @@ def split_seed(seed, count):
                                        maxval=None, dtype=tf.int64)
 
 
+def normal(shape, seed, dtype=tf.float64):
+    """``tf_dp.core.gaussian.normal`` from public ops and NumPy: three full-range uint64 words
+    per pair from ``tf.random.stateless_uniform`` on ``seed`` (the same Philox stream as the
+    raw op), Box-Muller in NumPy float64 with ``u1 = hi 2^-64 + (lo + 1) 2^-128`` and the
+    angle from the top 53 bits. NumPy's log, cos and sin may differ from TensorFlow's in the
+    last bit: compare with a tolerance."""
+    shape = [int(d) for d in shape]
+    count = int(np.prod(shape, dtype=np.int64))
+    pairs = (count + 1) // 2
+    words = tf.random.stateless_uniform([3, pairs], seed=tf.cast(seed, tf.int64), minval=None,
+                                        maxval=None, dtype=tf.uint64).numpy()
+    hi, lo, angle = words
+    u1 = hi.astype(np.float64) * 2.0 ** -64 + (lo.astype(np.float64) + 1.0) * 2.0 ** -128
+    radius = np.sqrt(-2.0 * np.log(u1))
+    theta = (angle >> np.uint64(11)).astype(np.float64) * (2.0 * np.pi * 2.0 ** -53)
+    values = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
+    return values.reshape(shape).astype(tf.as_dtype(dtype).as_numpy_dtype)
+
+
 def noise_seed(seed, index, count):
     """The seed of variable ``index``'s gradient noise (of ``count``) in a step with the
     noise stream's ``seed`` (``private_step.gaussian_noise``)."""

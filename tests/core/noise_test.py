@@ -344,9 +344,12 @@ def test_noise_is_drawn_after_the_clipped_sums_it_is_added_to():
     model.check_before_training(np.ones((4, 5), np.float32), np.zeros((4, 2), np.float32))
     graph = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([None, 5]), tf.TensorSpec([None, 2]))).graph
-    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomNormalV2"]
+    # Each variable's normals come from a draw of (3, ceil(n / 2)) uint64 words
+    # (tf_dp.core.gaussian.normals).
+    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformFullIntV2"
+             and op.get_attr("dtype") == tf.uint64]
     assert sorted(tuple(op.outputs[0].shape) for op in draws) == sorted(
-        tuple(v.shape) for v in model.trainable_variables)
+        (3, (v.shape.num_elements() + 1) // 2) for v in model.trainable_variables)
     batch = {t.op for t in graph.inputs[:2]}
     assert all(op.type == "Placeholder" for op in batch)
     for op in draws:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_dp.core import randomness
+from tf_dp.core import gaussian, randomness
 
 _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 
@@ -35,13 +35,6 @@ _ROWS_STREAM = 0x524F  # "RO"
 
 #: tf.random.Algorithm.AUTO_SELECT, what tf.random's stateless ops use by default.
 _AUTO_SELECT = 3
-
-
-def _normal(shape, seed, dtype, alg):
-    """``tf.random.stateless_normal(shape, seed, dtype=dtype)`` without its ``* 1 + 0``."""
-    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-    return tf.raw_ops.StatelessRandomNormalV2(shape=shape, key=key, counter=counter, alg=alg,
-                                              dtype=dtype)
 
 
 def step_seeds(num_projections: int, seed, num_variables: int):
@@ -74,16 +67,14 @@ def draw(variable, index: int, num_projections: int, seed, projection=None, seed
     :func:`step_seeds` (then ``seed`` is not read), to draw a step's directions with fewer
     graph ops.
 
-    Direction j is ``tf.random.stateless_normal(variable.shape, seed=step_seeds(...)[index]
-    [j])``: i.i.d. N(0, 1) from the step's secret seed (the same values, in two raw ops
-    each)."""
+    Direction j is ``gaussian.normal(variable.shape, step_seeds(...)[index][j])``: i.i.d.
+    N(0, 1) from the step's secret seed."""
     seeds = _variable_seeds(num_projections, seed, index, seeds)
     if projection is not None:
         seeds = seeds[projection:projection + 1]
     alg = tf.constant(_AUTO_SELECT, tf.int32)
-    shape = tf.constant([int(d) for d in variable.shape], tf.int32)
-    out = [_normal(shape, s, variable.dtype, alg) for s in seeds]
-    return out[0] if projection is not None else tf.stack(out)
+    out = gaussian.stacked_normals([int(d) for d in variable.shape], seeds, variable.dtype, alg)
+    return out[0] if projection is not None else out
 
 
 def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=None):
@@ -100,14 +91,14 @@ def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=
     have exactly the law they have with a whole direction, which is what the JL accounting
     assumes. Within a step each example that looks a row up sees the same vector.
 
-    Direction j's rows: ``stateless_normal([num_rows, width], seed=fold_seed(s_j,
+    Direction j's rows: ``gaussian.normal([num_rows, width], fold_seed(s_j,
     _ROWS_STREAM))`` with ``s_j`` the seed of :func:`draw`'s direction j (``seeds``: as
     for :func:`draw`).
     """
     seeds = _variable_seeds(num_projections, seed, index, seeds)
     alg = tf.constant(_AUTO_SELECT, tf.int32)
     shape = tf.stack([tf.cast(num_rows, tf.int32), variable.shape[1]])
-    return tf.stack([_normal(shape, s, variable.dtype, alg) for s in _rows_seeds(seeds, alg)])
+    return gaussian.stacked_normals(shape, _rows_seeds(seeds, alg), variable.dtype, alg)
 
 
 def _rows_seeds(seeds, alg):

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_dp import _internals
-from tf_dp.core import norm_strategies, randomness
+from tf_dp.core import gaussian, norm_strategies, randomness
 from tf_dp.core.norm_strategies import (  # noqa: F401
     ClippedSum, batch_size_of, clip_factors, real_rows)
 
@@ -169,24 +169,47 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
                          f"for {len(shapes_dtypes)}.")
     if not shapes_dtypes:
         return []
-    # Variable i's draw is tf.random.stateless_normal(shape, seed=s_i) * stddev with s_i row i
-    # of split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n): 128 secret bits each (not
-    # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed). The normal is
-    # the raw op on s_i's key and counter (no mean and unit stddev ops).
+    # Variable i's draw is gaussian.normal(shape, seed=s_i) * stddev with s_i row i of
+    # split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n): 128 secret bits each (not
+    # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed). Not
+    # TensorFlow's normal op, whose draws never exceed 5.68 (tf_dp.core.gaussian).
     seeds = tf.unstack(randomness.split_seed(
         randomness.fold_seed(seed, _GRADIENT_NOISE_STREAM), len(shapes_dtypes)),
         len(shapes_dtypes))
     alg = tf.constant(tf.random.Algorithm.AUTO_SELECT.value, tf.int32)  # one for all draws
-    out = []
-    for i, (shape, dtype) in enumerate(shapes_dtypes):
-        with tf.control_dependencies([] if after is None or after[i] is None
-                                     else [after[i]]):
-            key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seeds[i])
-            # Drawn in float64 for float64 sums (the private step's: ghost.SUM_DTYPE), so that
-            # sum and noise are added before any rounding to the variables' dtype; else float32.
-            draw = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
-            z = tf.raw_ops.StatelessRandomNormalV2(
-                shape=shape if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).as_list(),
-                key=key, counter=counter, alg=alg, dtype=draw)
-            out.append(tf.cast(z * tf.cast(stddev, draw), dtype))
+    stddev = tf.cast(stddev, tf.float64)
+    out = [None] * len(shapes_dtypes)
+    # Formed in float64 (the private step's sums are float64: ghost.SUM_DTYPE), so that sum
+    # and noise are added before any rounding to the variables' dtype. One Box-Muller
+    # transform per group of consecutive variables of at most _NOISE_GROUP values (fewer
+    # graph ops; its temporaries, ~40 bytes per value, stay bounded).
+    for group in _noise_groups([shape for shape, _ in shapes_dtypes]):
+        draws = gaussian.normals(
+            [shapes_dtypes[i][0] if isinstance(shapes_dtypes[i][0], tf.Tensor)
+             else tf.TensorShape(shapes_dtypes[i][0]).as_list() for i in group],
+            [seeds[i] for i in group], alg=alg,
+            after=None if after is None else [after[i] for i in group])
+        for i, z in zip(group, draws):
+            out[i] = tf.cast(z * stddev, shapes_dtypes[i][1])
     return out
+
+
+#: Values drawn by one Box-Muller transform of ``gaussian_noise`` at most (unless one
+#: variable has more): ~40 MiB of temporaries.
+_NOISE_GROUP = 1 << 20
+
+
+def _noise_groups(shapes):
+    """Indices of ``shapes`` in groups of consecutive ones of at most ``_NOISE_GROUP``
+    values together (a shape not known statically forms a group of its own)."""
+    groups, total = [], None
+    for i, shape in enumerate(shapes):
+        size = (None if isinstance(shape, tf.Tensor)
+                else tf.TensorShape(shape).num_elements())
+        if size is not None and total is not None and total + size <= _NOISE_GROUP:
+            groups[-1].append(i)
+            total += size
+        else:
+            groups.append([i])
+            total = size
+    return groups

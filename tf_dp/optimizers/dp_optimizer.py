@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tf_dp import _internals, _validation
 from tf_dp.core import ledger as ledger_lib
-from tf_dp.core import clipping, norm_strategies, private_step, randomness
+from tf_dp.core import clipping, gaussian, norm_strategies, private_step, randomness
 
 #: Folded into a step's noise seed for the count noise of adaptive clipping (gradient noise
 #: folds in the variable indices 0, 1, ...).
@@ -412,7 +412,7 @@ class DPOptimizerMixin:
             # A seed of its own, folded from the step's: independent of the gradient noise.
             # (all 128 bits of the step's seed: randomness.fold_seed, not stateless_fold_in)
             count_seed = randomness.fold_seed(seed, _COUNT_NOISE_STREAM)
-            draw = tf.random.stateless_normal([], seed=count_seed, dtype=tf.float64)
+            draw = gaussian.normal([], count_seed)  # not tf.random's: it caps at 5.68
             count += draw * clipping.as_float64(count_stddev) * tf.cast(first_replica,
                                                                          tf.float64)
         if ctx is not None and ctx.num_replicas_in_sync > 1:
