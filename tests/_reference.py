@@ -225,20 +225,31 @@ def split_seed(seed, count):
 
 
 def normal(shape, seed, dtype=tf.float64):
-    """``tf_dp.core.gaussian.normal`` from public ops and NumPy: three full-range uint64 words
-    per pair from ``tf.random.stateless_uniform`` on ``seed`` (the same Philox stream as the
-    raw op), Box-Muller in NumPy float64 with ``u1 = hi 2^-64 + (lo + 1) 2^-128`` and the
-    angle from the top 53 bits. NumPy's log, cos and sin may differ from TensorFlow's in the
-    last bit: compare with a tolerance."""
+    """``tf_dp.core.gaussian.normal`` from public ops and NumPy: full-range uint64 words from
+    ``tf.random.stateless_uniform`` on ``seed`` (the same Philox stream as the raw op), then
+    Box-Muller in NumPy. float64 (three words per pair): ``u1 = hi 2^-64 + (lo + 1) 2^-128``,
+    the angle from the top 53 bits of the third. 32 bits or fewer (two words, float32):
+    ``u1 = hi 2^-64 + (l + 1) 2^-104`` with ``l`` the low 40 bits of the second word, the
+    angle from its top 24. NumPy's log, cos and sin may differ from TensorFlow's in the last
+    bits: compare with a tolerance."""
     shape = [int(d) for d in shape]
     count = int(np.prod(shape, dtype=np.int64))
     pairs = (count + 1) // 2
-    words = tf.random.stateless_uniform([3, pairs], seed=tf.cast(seed, tf.int64), minval=None,
-                                        maxval=None, dtype=tf.uint64).numpy()
-    hi, lo, angle = words
-    u1 = hi.astype(np.float64) * 2.0 ** -64 + (lo.astype(np.float64) + 1.0) * 2.0 ** -128
-    radius = np.sqrt(-2.0 * np.log(u1))
-    theta = (angle >> np.uint64(11)).astype(np.float64) * (2.0 * np.pi * 2.0 ** -53)
+    low = tf.as_dtype(dtype).size <= 4
+    words = tf.random.stateless_uniform([2 if low else 3, pairs], seed=tf.cast(seed, tf.int64),
+                                        minval=None, maxval=None, dtype=tf.uint64).numpy()
+    if low:
+        f = np.float32
+        hi, second = words
+        l40 = second & np.uint64(2 ** 40 - 1)
+        u1 = hi.astype(f) * f(2.0 ** -64) + (l40.astype(f) + f(1)) * f(2.0 ** -104)
+        radius = np.sqrt(f(-2) * np.log(u1))
+        theta = (second >> np.uint64(40)).astype(f) * f(2.0 * np.pi * 2.0 ** -24)
+    else:
+        hi, lo, angle = words
+        u1 = hi.astype(np.float64) * 2.0 ** -64 + (lo.astype(np.float64) + 1.0) * 2.0 ** -128
+        radius = np.sqrt(-2.0 * np.log(u1))
+        theta = (angle >> np.uint64(11)).astype(np.float64) * (2.0 * np.pi * 2.0 ** -53)
     values = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
     return values.reshape(shape).astype(tf.as_dtype(dtype).as_numpy_dtype)
 

@@ -55,6 +55,46 @@ def test_the_radius_follows_u1_into_the_deep_tail():
                                rtol=1e-12, atol=1e-300)
 
 
+def _radius32(hi, low):
+    first, second = gaussian.box_muller_float32(_words(hi), _words(low))
+    return np.hypot(first.numpy().astype(np.float64), second.numpy().astype(np.float64))
+
+
+def test_the_float32_route_follows_u1_to_2_to_the_minus_104():
+    # The JL directions' route: u1 = hi 2^-64 + (l + 1) 2^-104, l the low 40 bits.
+    ps = [0.5, 1e-3, 1e-7, 1e-8, 1e-12, 1e-19, 2.0 ** -64, 2.0 ** -90, 2.0 ** -103]
+    hi, low = [], []
+    for p in ps:
+        scaled = int(p * 2.0 ** 104)  # = hi 2^40 + l + 1
+        hi.append((scaled - 1) >> 40)
+        low.append((scaled - 1) & (2 ** 40 - 1))
+    got = _radius32(hi, low)
+    np.testing.assert_allclose(got, [math.sqrt(-2.0 * math.log(p)) for p in ps], rtol=2e-6)
+    assert got[3] > gaussian.TF_CLAMPED_RADIUS + 0.3
+    # The floor (u1 = 2^-104, radius 12.0; 2^-104 is a normal float32, so no flush to
+    # zero turns it into ln 0), and u1 = 1: radius 0, not NaN.
+    np.testing.assert_allclose(_radius32([0, _TWO64 - 1], [0, 0]),
+                               [gaussian.MAX_RADIUS_FLOAT32, 0.0], rtol=2e-6, atol=0)
+    # The angle: the top 24 bits of the second word, which leave l alone.
+    ones = [2 ** 62] * 3
+    first, second = gaussian.box_muller_float32(_words(ones), _words([0, 2 ** 63, 2 ** 62]))
+    theta = np.arctan2(second.numpy(), first.numpy()) % (2 * np.pi)
+    np.testing.assert_allclose(theta, [0, np.pi, np.pi / 2], atol=1e-6)
+
+
+def test_the_float32_routes_conditional_tail_is_the_gaussians():
+    """As below, on the float32 route: hi < 2^40 (u1 < 2^-24) and hi = 0 (u1 < 2^-64,
+    radius above 9.4, driven by the low 40 bits)."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+    for hi, x0 in [(rng.integers(0, 2 ** 40, n, dtype=np.uint64), 2 * 24 * math.log(2)),
+                   (np.zeros(n, np.uint64), 2 * 64 * math.log(2))]:
+        low = rng.integers(0, 2 ** 40, n, dtype=np.uint64)
+        r2 = _radius32(hi, low) ** 2
+        assert r2.min() > x0 * (1 - 1e-6) and r2.max() > x0 + 10
+        assert stats.kstest(r2 - x0, "expon", args=(0, 2)).pvalue > 1e-4
+
+
 def test_the_angle_is_53_bits_of_the_circle():
     angle = _words([0, 2 ** 63, 2 ** 62, _TWO64 - 1])
     ones = _words([2 ** 62] * 4)  # u1 = 1/4: radius sqrt(2 ln 4)
@@ -85,8 +125,10 @@ def test_the_conditional_tail_is_the_gaussians_beyond_tensorflows_cap(hi_bits, l
     assert stats.kstest(r2 - x0, "expon", args=(0, 2)).pvalue > 1e-4
 
 
-def test_draws_are_standard_normal_and_independent():
-    z = gaussian.normal([1_000_001], tf.constant([5, 6], tf.int64)).numpy()
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+def test_draws_are_standard_normal_and_independent(dtype):
+    z = gaussian.normal([1_000_001], tf.constant([5, 6], tf.int64), dtype).numpy().astype(
+        np.float64)
     n = z.size
     assert abs(z.mean()) < 6 / math.sqrt(n)
     assert abs(z.var() - 1) < 6 * math.sqrt(2 / n)
@@ -108,7 +150,8 @@ def test_shapes_dtypes_seeds_and_the_reference(shape, dtype):
     np.testing.assert_array_equal(dynamic.numpy(), z.numpy())
     np.testing.assert_allclose(z.numpy().astype(np.float64),
                                ref.normal(shape, seed, dtype).astype(np.float64),
-                               rtol=4 * float(np.finfo(dtype.as_numpy_dtype).eps), atol=1e-300)
+                               rtol=4 * float(np.finfo(dtype.as_numpy_dtype).eps),
+                               atol=8 * float(np.finfo(dtype.as_numpy_dtype).eps))
     if int(np.prod(shape)) > 1:
         other = gaussian.normal(shape, seed + [0, 1], dtype).numpy()
         assert not np.array_equal(other, z.numpy())

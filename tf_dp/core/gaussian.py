@@ -18,7 +18,13 @@ uniform 64-bit integers) and the angle from 53 bits. In the real-number model DP
 use, this is the exact Box-Muller law except on the event ``u1 < 2^-128`` (probability
 2^-128 per pair, the only place the tail is cut: radius 13.3), so a run of T steps with d
 noise coordinates is within total variation T d 2^-129 of a run with exact Gaussian noise.
-It costs ~35 ns per draw on one CPU core (TensorFlow's op: ~25 in float64, ~13 in float32).
+It costs ~35 ns per draw on one CPU core (TensorFlow's op: ~25 in float64).
+
+Draws of a 16- or 32-bit ``dtype`` (the JL directions) take a float32 route at TensorFlow's
+float32 speed (~13 ns): two words per pair, ``u1 = hi 2^-64 + (lo40 + 1) 2^-104`` with
+``lo40`` the low 40 bits of the second word and the angle its top 24 bits, in float32 (2^-104
+is a normal float32 number). Its tail is cut at u1 = 2^-104 (radius 12.0): within T d 2^-105
+of exact Gaussian draws.
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ _AUTO_SELECT = 3
 #: TensorFlow's clamp: its Box-Muller radius never exceeds sqrt(-2 ln 1e-7).
 TF_CLAMPED_RADIUS = math.sqrt(-2.0 * math.log(1e-7))
 
-#: The largest radius ``normal`` can draw: sqrt(-2 ln 2^-128).
+#: The largest radius of float64 draws: sqrt(-2 ln 2^-128).
 MAX_RADIUS = math.sqrt(2.0 * 128 * math.log(2.0))
+
+#: The largest radius of the float32 route's draws: sqrt(-2 ln 2^-104).
+MAX_RADIUS_FLOAT32 = math.sqrt(2.0 * 104 * math.log(2.0))
 
 
 def box_muller(hi, lo, angle):
@@ -51,50 +60,94 @@ def box_muller(hi, lo, angle):
     return radius * tf.cos(theta), radius * tf.sin(theta)
 
 
+def box_muller_float32(hi, low):
+    """Standard normal pairs in float32 from two uniform uint64 words: ``u1 = hi 2^-64 +
+    (l + 1) 2^-104`` with ``l`` the low 40 bits of ``low`` (in [2^-104, 1]: normal float32
+    numbers, no subnormal that a flush to zero would turn into ln 0), ``r = sqrt(-2 ln
+    u1)``, the angle from the top 24 bits of ``low``."""
+    u1 = (tf.cast(hi, tf.float32) * 2.0 ** -64
+          + (tf.cast(tf.bitwise.bitwise_and(low, tf.constant(2 ** 40 - 1, tf.uint64)),
+                     tf.float32) + 1.0) * 2.0 ** -104)
+    radius = tf.sqrt(-2.0 * tf.math.log(u1))
+    theta = tf.cast(tf.bitwise.right_shift(low, tf.constant(40, tf.uint64)),
+                    tf.float32) * (2.0 * math.pi * 2.0 ** -24)
+    return radius * tf.cos(theta), radius * tf.sin(theta)
+
+
+def _low_precision(dtype):
+    return tf.as_dtype(dtype).size <= 4
+
+
+def _transform(words, low):
+    """The Box-Muller pairs of ``words`` ((w, ...) uint64: w = 3 words per pair, or 2 on the
+    float32 route)."""
+    if low:
+        hi, second = tf.unstack(words, 2)
+        return box_muller_float32(hi, second)
+    hi, lo, angle = tf.unstack(words, 3)
+    return box_muller(hi, lo, angle)
+
+
+def _sizes(shape, words_per_pair):
+    """(shape tensor, count, pairs, words shape) of a list or 1-D int tensor ``shape``;
+    Python ints where the shape is known (fewer graph ops to trace)."""
+    if isinstance(shape, tf.Tensor):
+        shape = tf.cast(shape, tf.int32)
+        count = tf.reduce_prod(shape)
+        pairs = (count + 1) // 2
+        return shape, count, pairs, tf.stack([words_per_pair, pairs])
+    dims = [int(d) for d in shape]
+    count = 1
+    for d in dims:
+        count *= d
+    pairs = (count + 1) // 2
+    return (tf.constant(dims, tf.int32), count, pairs,
+            tf.constant([words_per_pair, pairs], tf.int32))
+
+
+def _words(seed, words_shape, alg):
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    return tf.raw_ops.StatelessRandomUniformFullIntV2(
+        shape=words_shape, key=key, counter=counter, alg=alg, dtype=tf.uint64)
+
+
+def _finish(values, count, dtype):
+    if not isinstance(count, int) or count % 2:
+        values = values[..., :count]
+    return values if values.dtype == tf.as_dtype(dtype) else tf.cast(values, dtype)
+
+
 def normal(shape, seed, dtype=tf.float64, alg=None):
     """I.i.d. N(0, 1) of ``shape`` (a list or a 1-D int tensor) from the (2,) int64 stateless
-    ``seed``, formed in float64 and cast to ``dtype``; the same seed gives the same values.
-    Its tails are those of the Gaussian out to radius 13.3 (module docstring), unlike
-    ``tf.random.stateless_normal``'s."""
+    ``seed`` in ``dtype`` (float64: formed in float64; 32 bits or fewer: the float32 route);
+    the same seed gives the same values. Its tails are those of the Gaussian out to radius
+    13.3 (float64) or 12.0 (float32 route), unlike ``tf.random.stateless_normal``'s 5.68
+    (module docstring)."""
     return normals([shape], [seed], dtype, alg)[0]
 
 
 def normals(shapes, seeds, dtype=tf.float64, alg=None, after=None):
     """``[normal(shape, seed, dtype) for shape, seed in zip(shapes, seeds)]`` with one
     Box-Muller transform for all (two graph ops per draw for its words, ~20 shared, instead
-    of ~30 each); the values agree with separate draws up to the last bit of float64 (a
-    vectorised log / cos / sin may round an element differently by its position).
+    of ~30 each); the values agree with separate draws up to the last bit (a vectorised
+    log / cos / sin may round an element differently by its position).
 
     The words of every draw exist together: keep the total count moderate (each draw costs
     ~40 bytes per value while it is transformed). ``after``: None, or one tensor (or None)
     per draw, which its words wait for."""
     alg = tf.constant(_AUTO_SELECT, tf.int32) if alg is None else alg
+    low = _low_precision(dtype)
     parts = []
     after = [None] * len(shapes) if after is None else list(after)
     for shape, seed, wait in zip(shapes, seeds, after):
-        if isinstance(shape, tf.Tensor):
-            shape = tf.cast(shape, tf.int32)
-            count = tf.reduce_prod(shape)
-            pairs = (count + 1) // 2
-            words_shape = tf.stack([3, pairs])
-        else:  # a known shape: counts and shapes are constants (fewer graph ops to trace)
-            dims = [int(d) for d in shape]
-            count = 1
-            for d in dims:
-                count *= d
-            pairs = (count + 1) // 2
-            words_shape = tf.constant([3, pairs], tf.int32)
-            shape = tf.constant(dims, tf.int32)
+        shape, count, pairs, words_shape = _sizes(shape, 2 if low else 3)
         with tf.control_dependencies([] if wait is None else [wait]):
-            key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-            words = tf.raw_ops.StatelessRandomUniformFullIntV2(
-                shape=words_shape, key=key, counter=counter, alg=alg, dtype=tf.uint64)
+            words = _words(seed, words_shape, alg)
         parts.append((words, shape, count, pairs))
     if not parts:
         return []
     words = parts[0][0] if len(parts) == 1 else tf.concat([w for w, *_ in parts], 1)
-    hi, lo, angle = tf.unstack(words, 3)
-    first, second = box_muller(hi, lo, angle)
+    first, second = _transform(words, low)
     if len(parts) == 1:
         firsts, seconds = [first], [second]
     else:
@@ -106,44 +159,19 @@ def normals(shapes, seeds, dtype=tf.float64, alg=None, after=None):
     for (_, shape, count, _), a, b in zip(parts, firsts, seconds):
         # (r cos t, r sin t) of one pair are independent N(0, 1): the cosines of all pairs,
         # then the sines, are i.i.d.
-        values = tf.concat([a, b], 0)
-        if not isinstance(count, int) or count % 2:
-            values = values[:count]
-        if tf.as_dtype(dtype) != tf.float64:
-            values = tf.cast(values, dtype)
-        out.append(tf.reshape(values, shape))
+        out.append(tf.reshape(_finish(tf.concat([a, b], 0), count, dtype), shape))
     return out
 
 
 def stacked_normals(shape, seeds, dtype=tf.float64, alg=None):
     """``tf.stack([normal(shape, seed, dtype) for seed in seeds])`` (k, *shape), for draws of
     one shape (a list or a 1-D int tensor): two graph ops per seed, the rest shared. Values
-    agree with ``normal``'s up to the last bit of float64, as ``normals``'."""
+    agree with ``normal``'s up to the last bit, as ``normals``'."""
     alg = tf.constant(_AUTO_SELECT, tf.int32) if alg is None else alg
-    if isinstance(shape, tf.Tensor):
-        shape = tf.cast(shape, tf.int32)
-        count = tf.reduce_prod(shape)
-        pairs = (count + 1) // 2
-        words_shape = tf.stack([3, pairs])
-        out_shape = tf.concat([[len(seeds)], shape], 0)
-    else:
-        dims = [int(d) for d in shape]
-        count = 1
-        for d in dims:
-            count *= d
-        pairs = (count + 1) // 2
-        words_shape = tf.constant([3, pairs], tf.int32)
-        out_shape = tf.constant([len(seeds)] + dims, tf.int32)
-    words = []
-    for seed in seeds:
-        key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-        words.append(tf.raw_ops.StatelessRandomUniformFullIntV2(
-            shape=words_shape, key=key, counter=counter, alg=alg, dtype=tf.uint64))
-    hi, lo, angle = tf.unstack(tf.stack(words, 1), 3)  # each (k, pairs)
-    first, second = box_muller(hi, lo, angle)
-    values = tf.concat([first, second], 1)
-    if not isinstance(count, int) or count % 2:
-        values = values[:, :count]
-    if tf.as_dtype(dtype) != tf.float64:
-        values = tf.cast(values, dtype)
-    return tf.reshape(values, out_shape)
+    low = _low_precision(dtype)
+    shape, count, _, words_shape = _sizes(shape, 2 if low else 3)
+    out_shape = (tf.constant([len(seeds)] + tf.get_static_value(shape).tolist(), tf.int32)
+                 if isinstance(count, int) else tf.concat([[len(seeds)], shape], 0))
+    words = tf.stack([_words(seed, words_shape, alg) for seed in seeds], 1)  # (w, k, pairs)
+    first, second = _transform(words, low)
+    return tf.reshape(_finish(tf.concat([first, second], 1), count, dtype), out_shape)
