@@ -108,5 +108,35 @@ def test_each_draw_waits_for_its_clipped_sum():
         assert not (set(sums) - {own}) & ancestors
 
 
+def test_a_large_variable_is_drawn_in_chained_segments(monkeypatch):
+    """Above ``_NOISE_GROUP`` values a variable's noise is drawn in segments with seeds split
+    from its own (one transform's temporaries at a time: docs/scaling.md section 1); each
+    segment's words wait for the previous segment."""
+    from tf_dp.core import private_step  # noqa: PLC0415
+
+    monkeypatch.setattr(private_step, "_NOISE_GROUP", 64)
+    shapes = [((10, 20), tf.float32), ((5,), tf.float32), ((3, 3), tf.float64)]
+    seed = tf.constant([4, -9], tf.int64)
+    got = gaussian_noise(shapes, 0.5, seed)
+    own = ref.noise_seed(seed, 0, 3)
+    segments = ref.split_seed(own, 4)
+    want = np.concatenate([ref.normal([min(64, 200 - 64 * k)], segments[k])
+                           for k in range(4)]).reshape(10, 20) * 0.5
+    _close(got[0].numpy(), want.astype(np.float32), tf.float32)
+    for i in (1, 2):
+        _close(got[i].numpy(), _reference(shapes, 0.5, seed)[i], shapes[i][1])
+
+    graph = tf.function(lambda s, a: gaussian_noise(shapes, 0.5, s, after=[a, None, None])
+                        ).get_concrete_function(tf.TensorSpec([2], tf.int64),
+                                                tf.TensorSpec([10, 20])).graph
+    words = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformFullIntV2"
+             and op.get_attr("dtype") == tf.uint64]
+    chained = [op for op in words if tuple(op.outputs[0].shape) in ((3, 32), (3, 4))]
+    assert len(chained) == 4
+    ancestors = [ref.ancestor_ops(op) for op in chained]
+    for earlier, later in zip(chained, chained[1:]):
+        assert earlier in ancestors[chained.index(later)]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -171,8 +171,9 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
         return []
     # Variable i's draw is gaussian.normal(shape, seed=s_i) * stddev with s_i row i of
     # split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n): 128 secret bits each (not
-    # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed). Not
-    # TensorFlow's normal op, whose draws never exceed 5.68 (tf_dp.core.gaussian).
+    # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed); above
+    # _NOISE_GROUP values, in segments (_segmented_normal). Not TensorFlow's normal op,
+    # whose draws never exceed 5.68 (tf_dp.core.gaussian).
     seeds = tf.unstack(randomness.split_seed(
         randomness.fold_seed(seed, _GRADIENT_NOISE_STREAM), len(shapes_dtypes)),
         len(shapes_dtypes))
@@ -184,6 +185,12 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
     # transform per group of consecutive variables of at most _NOISE_GROUP values (fewer
     # graph ops; its temporaries, ~40 bytes per value, stay bounded).
     for group in _noise_groups([shape for shape, _ in shapes_dtypes]):
+        if len(group) == 1 and _segments(shapes_dtypes[group[0]][0]) > 1:
+            i = group[0]
+            z = _segmented_normal(shapes_dtypes[i][0], seeds[i], alg,
+                                  None if after is None else after[i])
+            out[i] = tf.cast(z * stddev, shapes_dtypes[i][1])
+            continue
         draws = gaussian.normals(
             [shapes_dtypes[i][0] if isinstance(shapes_dtypes[i][0], tf.Tensor)
              else tf.TensorShape(shapes_dtypes[i][0]).as_list() for i in group],
@@ -197,6 +204,34 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
 #: Values drawn by one Box-Muller transform of ``gaussian_noise`` at most (unless one
 #: variable has more): ~40 MiB of temporaries.
 _NOISE_GROUP = 1 << 20
+
+
+def _segments(shape):
+    """How many segments of at most ``_NOISE_GROUP`` values a variable's noise is drawn in
+    (1 for a shape not known statically)."""
+    size = None if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).num_elements()
+    return 1 if size is None else max(1, -(-size // _NOISE_GROUP))
+
+
+def _segmented_normal(shape, seed, alg, after):
+    """N(0, 1) of a variable of more than ``_NOISE_GROUP`` values, in float64: segment k of
+    its flattened values (``_NOISE_GROUP`` each, the last one shorter) is
+    ``gaussian.normal([size_k], s_k)`` with ``s_k`` row k of ``split_seed(seed, m)``. Each
+    segment's words wait for the previous segment, so one transform's temporaries (~40
+    bytes per value) exist at a time: a 32000 x 256 embedding's noise drawn whole held
+    ~110 MiB more at the step's peak (docs/scaling.md section 1, session 17)."""
+    dims = tf.TensorShape(shape).as_list()
+    size = tf.TensorShape(shape).num_elements()
+    m = _segments(shape)
+    with tf.control_dependencies([] if after is None else [after]):
+        seeds = tf.unstack(randomness.split_seed(seed, m), m)
+    parts, last = [], after
+    for k in range(m):
+        length = min(_NOISE_GROUP, size - k * _NOISE_GROUP)
+        (part,) = gaussian.normals([[length]], [seeds[k]], alg=alg, after=[last])
+        parts.append(part)
+        last = part
+    return tf.reshape(tf.concat(parts, 0), dims)
 
 
 def _noise_groups(shapes):
