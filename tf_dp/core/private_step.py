@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_dp import _internals
 from tf_dp.core import gaussian, norm_strategies, randomness
+from tf_dp.core.ghost.factors import consecutive_groups
 from tf_dp.core.norm_strategies import (  # noqa: F401
     ClippedSum, batch_size_of, clip_factors, real_rows)
 
@@ -237,14 +238,6 @@ def _segmented_normal(shape, seed, alg, after):
 def _noise_groups(shapes):
     """Indices of ``shapes`` in groups of consecutive ones of at most ``_NOISE_GROUP``
     values together (a shape not known statically forms a group of its own)."""
-    groups, total = [], None
-    for i, shape in enumerate(shapes):
-        size = (None if isinstance(shape, tf.Tensor)
-                else tf.TensorShape(shape).num_elements())
-        if size is not None and total is not None and total + size <= _NOISE_GROUP:
-            groups[-1].append(i)
-            total += size
-        else:
-            groups.append([i])
-            total = size
-    return groups
+    return consecutive_groups([None if isinstance(shape, tf.Tensor)
+                               else tf.TensorShape(shape).num_elements() for shape in shapes],
+                              _NOISE_GROUP)

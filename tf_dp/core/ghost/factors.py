@@ -449,14 +449,20 @@ def _sanitize_groups(looped, sanitize):
     sizes = [b for *_, b, _ in looped]
     if sanitize is None or not all(sizes):
         return [[k] for k in range(len(looped))]
-    budget, groups, total = 2 * max(sizes), [], 0
-    for k, b in enumerate(sizes):
-        if groups and total + b <= budget:
+    return consecutive_groups(sizes, 2 * max(sizes))
+
+
+def consecutive_groups(sizes, budget):
+    """Indices of ``sizes`` in groups of consecutive entries whose sizes add up to at most
+    ``budget`` (an entry above it, or of size None, in a group of its own)."""
+    groups, total = [], None
+    for k, size in enumerate(sizes):
+        if size is not None and total is not None and total + size <= budget:
             groups[-1].append(k)
-            total += b
+            total += size
         else:
             groups.append([k])
-            total = b
+            total = size
     return groups
 
 
