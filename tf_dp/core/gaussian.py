@@ -8,7 +8,7 @@ absolute value, and a pair of draws lies on the circle of that radius with proba
 1e-7. Noise bounded by 5.678 sigma C is not the Gaussian the accountant assumes: a
 neighbouring data set that moves a coordinate by C moves the support of the release, and an
 output outside the other support tells membership with certainty. At sigma = 1 that happens
-with probability about 1e-6 per step on which the example is sampled, more at smaller sigma,
+with probability about 3.6e-6 per step on which the example is sampled, more at smaller sigma,
 and it adds up over steps to far more than a typical delta (docs/privacy.md, "The noise is
 Gaussian in its tails too").
 
