@@ -109,12 +109,12 @@ def test_each_draw_waits_for_its_clipped_sum():
 
 
 def test_a_large_variable_is_drawn_in_chained_segments(monkeypatch):
-    """Above ``_NOISE_GROUP`` values a variable's noise is drawn in segments with seeds split
-    from its own (one transform's temporaries at a time: docs/scaling.md section 1); each
-    segment's words wait for the previous segment."""
-    from tf_dp.core import private_step  # noqa: PLC0415
+    """Above ``gaussian.SEGMENT`` values a variable's noise is drawn in segments with seeds
+    split from its own (one transform's temporaries at a time: docs/scaling.md section 1);
+    each segment's words wait for the previous segment."""
+    from tf_dp.core import gaussian  # noqa: PLC0415
 
-    monkeypatch.setattr(private_step, "_NOISE_GROUP", 64)
+    monkeypatch.setattr(gaussian, "SEGMENT", 64)
     shapes = [((10, 20), tf.float32), ((5,), tf.float32), ((3, 3), tf.float64)]
     seed = tf.constant([4, -9], tf.int64)
     got = gaussian_noise(shapes, 0.5, seed)

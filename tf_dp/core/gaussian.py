@@ -33,8 +33,14 @@ import math
 
 import tensorflow as tf
 
+from tf_dp.core import randomness
+
 #: tf.random.Algorithm.AUTO_SELECT (Philox on CPU), what tf.random's stateless ops use.
-_AUTO_SELECT = 3
+AUTO_SELECT = tf.random.Algorithm.AUTO_SELECT.value
+
+#: Values one Box-Muller transform draws at most (~40 MiB of float64 temporaries): a larger
+#: ``normal`` is drawn in chained segments of this many.
+SEGMENT = 1 << 20
 
 #: TensorFlow's clamp: its Box-Muller radius never exceeds sqrt(-2 ln 1e-7).
 TF_CLAMPED_RADIUS = math.sqrt(-2.0 * math.log(1e-7))
@@ -117,13 +123,32 @@ def _finish(values, count, dtype):
     return values if values.dtype == tf.as_dtype(dtype) else tf.cast(values, dtype)
 
 
-def normal(shape, seed, dtype=tf.float64, alg=None):
+def normal(shape, seed, dtype=tf.float64, alg=None, after=None):
     """I.i.d. N(0, 1) of ``shape`` (a list or a 1-D int tensor) from the (2,) int64 stateless
     ``seed`` in ``dtype`` (float64: formed in float64; 32 bits or fewer: the float32 route);
     the same seed gives the same values. Its tails are those of the Gaussian out to radius
     13.3 (float64) or 12.0 (float32 route), unlike ``tf.random.stateless_normal``'s 5.68
-    (module docstring)."""
-    return normals([shape], [seed], dtype, alg)[0]
+    (module docstring). ``after``: a tensor (or None) the draw waits for.
+
+    A known shape of more than ``SEGMENT`` values is drawn in segments: segment k of the
+    flattened values (``SEGMENT`` each, the last one shorter) is ``normal([size_k], s_k)``
+    with ``s_k`` row k of ``randomness.split_seed(seed, m)``, and each segment waits for
+    the previous one, so one transform's temporaries (~40 bytes per value) exist at a time
+    (a 32000 x 256 embedding's noise drawn whole held ~110 MiB more at the step's peak:
+    docs/scaling.md section 1, session 17)."""
+    count = None if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).num_elements()
+    if count is None or count <= SEGMENT:
+        return normals([shape], [seed], dtype, alg, after=[after])[0]
+    m = -(-count // SEGMENT)
+    with tf.control_dependencies([] if after is None else [after]):
+        seeds = tf.unstack(randomness.split_seed(seed, m), m)
+    parts, last = [], after
+    for k in range(m):
+        (part,) = normals([[min(SEGMENT, count - k * SEGMENT)]], [seeds[k]], dtype, alg,
+                          after=[last])
+        parts.append(part)
+        last = part
+    return tf.reshape(tf.concat(parts, 0), tf.TensorShape(shape).as_list())
 
 
 def normals(shapes, seeds, dtype=tf.float64, alg=None, after=None):
@@ -132,10 +157,10 @@ def normals(shapes, seeds, dtype=tf.float64, alg=None, after=None):
     of ~30 each); the values agree with separate draws up to the last bit (a vectorised
     log / cos / sin may round an element differently by its position).
 
-    The words of every draw exist together: keep the total count moderate (each draw costs
-    ~40 bytes per value while it is transformed). ``after``: None, or one tensor (or None)
+    The words of every draw exist together and are not segmented: keep the total count
+    moderate (at most ``SEGMENT``; each value costs ~40 bytes while it is transformed). ``after``: None, or one tensor (or None)
     per draw, which its words wait for."""
-    alg = tf.constant(_AUTO_SELECT, tf.int32) if alg is None else alg
+    alg = tf.constant(AUTO_SELECT, tf.int32) if alg is None else alg
     low = _low_precision(dtype)
     parts = []
     after = [None] * len(shapes) if after is None else list(after)
@@ -165,10 +190,27 @@ def normals(shapes, seeds, dtype=tf.float64, alg=None, after=None):
 
 def stacked_normals(shape, seeds, dtype=tf.float64, alg=None):
     """``tf.stack([normal(shape, seed, dtype) for seed in seeds])`` (k, *shape), for draws of
-    one shape (a list or a 1-D int tensor): two graph ops per seed, the rest shared. Values
-    agree with ``normal``'s up to the last bit, as ``normals``'."""
-    alg = tf.constant(_AUTO_SELECT, tf.int32) if alg is None else alg
+    one shape (a list or a 1-D int tensor): two graph ops per seed, the rest shared, while
+    all k draws together have at most ``SEGMENT`` values; above that (or for a shape not
+    known statically), one ``normal`` per seed in a sequential loop. Values agree with ``normal``'s up
+    to the last bit, as ``normals``'."""
+    alg = tf.constant(AUTO_SELECT, tf.int32) if alg is None else alg
     low = _low_precision(dtype)
+    known = None if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).num_elements()
+    if len(seeds) > 1 and (known is None or known * len(seeds) > SEGMENT):
+        # One draw at a time (segmented if large), in a sequential loop: the transform's
+        # temporaries (~20-40 bytes per value) exist for one draw, not all k (a JL r = 5
+        # embedding's looked-up rows cost the 11.4M Transformer's largest batch 216 -> 192
+        # when drawn together), and the graph holds one draw, not k.
+        stacked = tf.stack([tf.cast(seed, tf.int64) for seed in seeds])
+        draws = tf.TensorArray(dtype, size=len(seeds))
+
+        def body(j, draws):
+            return j + 1, draws.write(j, normal(shape, stacked[j], dtype, alg))
+
+        _, draws = tf.while_loop(lambda j, _: j < len(seeds), body, (0, draws),
+                                 parallel_iterations=1)
+        return draws.stack()
     shape, count, _, words_shape = _sizes(shape, 2 if low else 3)
     out_shape = (tf.constant([len(seeds)] + tf.get_static_value(shape).tolist(), tf.int32)
                  if isinstance(count, int) else tf.concat([[len(seeds)], shape], 0))

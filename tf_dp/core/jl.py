@@ -33,10 +33,6 @@ _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 _ROWS_STREAM = 0x524F  # "RO"
 
 
-#: tf.random.Algorithm.AUTO_SELECT, what tf.random's stateless ops use by default.
-_AUTO_SELECT = 3
-
-
 def step_seeds(num_projections: int, seed, num_variables: int):
     """The seeds of every direction of a step: ``seeds[k][j]``, (2,) int64, of variable k's
     direction j: row ``k * r + j`` of ``split_seed(fold_seed(seed, _DIRECTION_STREAM),
@@ -72,7 +68,7 @@ def draw(variable, index: int, num_projections: int, seed, projection=None, seed
     seeds = _variable_seeds(num_projections, seed, index, seeds)
     if projection is not None:
         seeds = seeds[projection:projection + 1]
-    alg = tf.constant(_AUTO_SELECT, tf.int32)
+    alg = tf.constant(gaussian.AUTO_SELECT, tf.int32)
     out = gaussian.stacked_normals([int(d) for d in variable.shape], seeds, variable.dtype, alg)
     return out[0] if projection is not None else out
 
@@ -96,7 +92,7 @@ def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=
     for :func:`draw`).
     """
     seeds = _variable_seeds(num_projections, seed, index, seeds)
-    alg = tf.constant(_AUTO_SELECT, tf.int32)
+    alg = tf.constant(gaussian.AUTO_SELECT, tf.int32)
     shape = tf.stack([tf.cast(num_rows, tf.int32), variable.shape[1]])
     return gaussian.stacked_normals(shape, _rows_seeds(seeds, alg), variable.dtype, alg)
 

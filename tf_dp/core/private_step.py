@@ -173,71 +173,37 @@ def gaussian_noise(shapes_dtypes, stddev, seed, after=None):
     # Variable i's draw is gaussian.normal(shape, seed=s_i) * stddev with s_i row i of
     # split_seed(fold_seed(seed, _GRADIENT_NOISE_STREAM), n): 128 secret bits each (not
     # stateless_fold_in(seed, i), whose seeds keep 32: randomness.fold_seed); above
-    # _NOISE_GROUP values, in segments (_segmented_normal). Not TensorFlow's normal op,
-    # whose draws never exceed 5.68 (tf_dp.core.gaussian).
+    # gaussian.SEGMENT values, in segments. Not TensorFlow's normal op, whose draws never
+    # exceed 5.68 (tf_dp.core.gaussian).
     seeds = tf.unstack(randomness.split_seed(
         randomness.fold_seed(seed, _GRADIENT_NOISE_STREAM), len(shapes_dtypes)),
         len(shapes_dtypes))
-    alg = tf.constant(tf.random.Algorithm.AUTO_SELECT.value, tf.int32)  # one for all draws
+    alg = tf.constant(gaussian.AUTO_SELECT, tf.int32)  # one for all draws
     stddev = tf.cast(stddev, tf.float64)
     out = [None] * len(shapes_dtypes)
     # Formed in float64 (the private step's sums are float64: ghost.SUM_DTYPE), so that sum
     # and noise are added before any rounding to the variables' dtype. One Box-Muller
-    # transform per group of consecutive variables of at most _NOISE_GROUP values (fewer
-    # graph ops; its temporaries, ~40 bytes per value, stay bounded).
-    for group in _noise_groups([shape for shape, _ in shapes_dtypes]):
-        if len(group) == 1 and _segments(shapes_dtypes[group[0]][0]) > 1:
-            i = group[0]
-            z = _segmented_normal(shapes_dtypes[i][0], seeds[i], alg,
-                                  None if after is None else after[i])
-            out[i] = tf.cast(z * stddev, shapes_dtypes[i][1])
-            continue
-        draws = gaussian.normals(
-            [shapes_dtypes[i][0] if isinstance(shapes_dtypes[i][0], tf.Tensor)
-             else tf.TensorShape(shapes_dtypes[i][0]).as_list() for i in group],
-            [seeds[i] for i in group], alg=alg,
-            after=None if after is None else [after[i] for i in group])
+    # transform per group of consecutive variables of at most gaussian.SEGMENT values (fewer
+    # graph ops; its temporaries, ~40 bytes per value, stay bounded); a larger variable
+    # alone, which gaussian.normal draws in segments.
+    shapes = [shape if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).as_list()
+              for shape, _ in shapes_dtypes]
+    waits = [None] * len(shapes) if after is None else list(after)
+    for group in _noise_groups(shapes):
+        if len(group) == 1:
+            draws = [gaussian.normal(shapes[group[0]], seeds[group[0]], alg=alg,
+                                     after=waits[group[0]])]
+        else:
+            draws = gaussian.normals([shapes[i] for i in group], [seeds[i] for i in group],
+                                     alg=alg, after=[waits[i] for i in group])
         for i, z in zip(group, draws):
             out[i] = tf.cast(z * stddev, shapes_dtypes[i][1])
     return out
 
 
-#: Values drawn by one Box-Muller transform of ``gaussian_noise`` at most (unless one
-#: variable has more): ~40 MiB of temporaries.
-_NOISE_GROUP = 1 << 20
-
-
-def _segments(shape):
-    """How many segments of at most ``_NOISE_GROUP`` values a variable's noise is drawn in
-    (1 for a shape not known statically)."""
-    size = None if isinstance(shape, tf.Tensor) else tf.TensorShape(shape).num_elements()
-    return 1 if size is None else max(1, -(-size // _NOISE_GROUP))
-
-
-def _segmented_normal(shape, seed, alg, after):
-    """N(0, 1) of a variable of more than ``_NOISE_GROUP`` values, in float64: segment k of
-    its flattened values (``_NOISE_GROUP`` each, the last one shorter) is
-    ``gaussian.normal([size_k], s_k)`` with ``s_k`` row k of ``split_seed(seed, m)``. Each
-    segment's words wait for the previous segment, so one transform's temporaries (~40
-    bytes per value) exist at a time: a 32000 x 256 embedding's noise drawn whole held
-    ~110 MiB more at the step's peak (docs/scaling.md section 1, session 17)."""
-    dims = tf.TensorShape(shape).as_list()
-    size = tf.TensorShape(shape).num_elements()
-    m = _segments(shape)
-    with tf.control_dependencies([] if after is None else [after]):
-        seeds = tf.unstack(randomness.split_seed(seed, m), m)
-    parts, last = [], after
-    for k in range(m):
-        length = min(_NOISE_GROUP, size - k * _NOISE_GROUP)
-        (part,) = gaussian.normals([[length]], [seeds[k]], alg=alg, after=[last])
-        parts.append(part)
-        last = part
-    return tf.reshape(tf.concat(parts, 0), dims)
-
-
 def _noise_groups(shapes):
-    """Indices of ``shapes`` in groups of consecutive ones of at most ``_NOISE_GROUP``
+    """Indices of ``shapes`` in groups of consecutive ones of at most ``gaussian.SEGMENT``
     values together (a shape not known statically forms a group of its own)."""
     return consecutive_groups([None if isinstance(shape, tf.Tensor)
                                else tf.TensorShape(shape).num_elements() for shape in shapes],
-                              _NOISE_GROUP)
+                              gaussian.SEGMENT)
