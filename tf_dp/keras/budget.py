@@ -17,7 +17,7 @@ import weakref
 from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
-VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING")
+VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED")
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained
@@ -29,6 +29,7 @@ _OWNERS_LOCK = threading.RLock()
 NOT_COVERED = (
     "hyper-parameter search and any earlier runs on the same data",
     "data used outside training (preprocessing statistics, validation, metrics logged)",
+    "what callbacks of your own decide from the logged metrics (computed without noise)",
     "side channels (timing, memory) and the model's architecture choice",
 )
 

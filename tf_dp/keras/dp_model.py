@@ -17,6 +17,7 @@ from tf_dp.core import losses as losses_lib
 from tf_dp.core import carriers, clipping, ghost, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras.budget import PrivacyBudget
+from tf_dp.keras import steering
 from tf_dp.keras.budget_journal import journals_for
 from tf_dp.schedules import PiecewiseBatchSize
 from tf_dp.keras.privacy_callback import PrivacyCallback
@@ -128,8 +129,10 @@ class DPTrainMixin:
 
         ``guarantee_holds`` is False when a caveat voids the proof for the released model: a
         seeded optimizer or sampler (anyone with the seed removes the noise), fixed batches
-        (accounted as if Poisson-sampled) or preprocessing adapted on data (its statistics
-        are in the model, outside epsilon). Sampling declared by the user
+        (accounted as if Poisson-sampled), preprocessing adapted on data (its statistics
+        are in the model, outside epsilon) or a callback that steered training with a
+        metric of the training data (``EarlyStopping(monitor='loss')``: its decision is
+        outside epsilon). Sampling declared by the user
         (``sampling_probability=``) is a caveat the report lists but cannot check.
         """
         return self.privacy_budget.report(self._dp_clipping_description())
@@ -340,7 +343,13 @@ class DPTrainMixin:
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
         self._dp_drain()
-        callbacks = list(callbacks or [])
+        callbacks = steering.flatten(callbacks)
+        for caveat in steering.steering_caveats(
+                callbacks, validation_private=bool(validation_split) and validation_data is None,
+                gradient_snr=gradient_snr):
+            # A warning whatever `verbose`: the decision is outside epsilon.
+            self._dp_caveat(caveat)
+            warnings.warn("tf_dp: " + caveat, UserWarning, stacklevel=2)
         # Before anything is computed from the spent budget: the steps a killed process
         # applied after its last backup are in its budget journal (write-ahead record).
         journals = journals_for(callbacks)
