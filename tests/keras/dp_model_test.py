@@ -7,6 +7,7 @@ Expected updates are computed by hand from per-example gradients of a plain twin
 
 import math
 import sys
+import types
 
 import keras
 import numpy as np
@@ -271,36 +272,49 @@ def test_weight_regularizer_matches_keras(k):
 
 class _Recorder(keras.layers.Layer):
     """Identity layer recording, for every training forward pass, its batch size and the
-    example ids it saw (``x[:, 0]``); the data sets below store each example's id there."""
+    example ids it saw (``x[:, 0]``); the data sets below store each example's id there.
+
+    The record is kept in variables outside the model (a spy, not the model's state: tf_dp
+    refuses a model whose forward pass writes its own variables from the data). The checks
+    ``fit`` runs before training also call the model: ``_checked`` runs them first and then
+    clears the record."""
 
     def __init__(self, calls=64, ids=1024, **kwargs):
         super().__init__(**kwargs)
-        self.sizes = self.add_weight(shape=(calls,), initializer="zeros", dtype="int32",
-                                     trainable=False, name="sizes")
-        self.ids = self.add_weight(shape=(ids,), initializer="zeros", dtype="float32",
-                                   trainable=False, name="ids")
-        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32",
-                                     trainable=False, name="calls")
-        self.seen = self.add_weight(shape=(), initializer="zeros", dtype="int32",
-                                    trainable=False, name="seen")
+        # A plain container: Keras does not track variables inside it.
+        self._spy = types.SimpleNamespace(
+            sizes=tf.Variable(tf.zeros([calls], tf.int32), trainable=False),
+            ids=tf.Variable(tf.zeros([ids], tf.float32), trainable=False),
+            calls=tf.Variable(0, trainable=False), seen=tf.Variable(0, trainable=False))
 
     def call(self, x, training=False):
         if training:
-            m = tf.shape(x)[0]
-            self.sizes.assign(tf.tensor_scatter_nd_update(
-                self.sizes.value, [[self.calls.value]], [m]))
-            where = (self.seen.value + tf.range(m))[:, None]
-            self.ids.assign(tf.tensor_scatter_nd_update(self.ids.value, where, x[:, 0]))
-            self.calls.assign_add(1)
-            self.seen.assign_add(m)
+            spy, m = self._spy, tf.shape(x)[0]
+            spy.sizes.assign(tf.tensor_scatter_nd_update(spy.sizes.value(), [[spy.calls]], [m]))
+            where = (spy.seen + tf.range(m))[:, None]
+            spy.ids.assign(tf.tensor_scatter_nd_update(spy.ids.value(), where, x[:, 0]))
+            spy.calls.assign_add(1)
+            spy.seen.assign_add(m)
         return x
+
+    def clear(self):
+        for v in vars(self._spy).values():
+            v.assign(tf.zeros_like(v))
 
     def log(self):
         """The ids of every training forward pass, in order (one array per pass)."""
-        sizes = self.sizes.numpy()[:int(self.calls.numpy())]
-        ids = self.ids.numpy()[:int(self.seen.numpy())]
+        spy = self._spy
+        sizes = spy.sizes.numpy()[:int(spy.calls.numpy())]
+        ids = spy.ids.numpy()[:int(spy.seen.numpy())]
         np.testing.assert_array_equal(ids, np.round(ids))
         return np.split(ids.astype(np.int64), np.cumsum(sizes)[:-1])
+
+
+def _checked(model, rec, x, y):
+    """Runs fit's checks before training on ``x``, ``y`` (they are not run again for this
+    architecture), then clears what they recorded."""
+    model.check_before_training(x, y)
+    rec.clear()
 
 
 def _id_data(n, seed=0):
@@ -332,6 +346,7 @@ def test_accumulation_splits_each_logical_batch_into_k_contiguous_micro_batches(
     model, rec = _recording_model()
     model.compile(optimizer=DPSGD(1.0, 0.0, learning_rate=0.1, gradient_accumulation_steps=k),
                   loss="mse")
+    _checked(model, rec, x, y)
     # Two logical batches, of 7 (k = 3: sizes 2, 2, 3) and 3 (k = 4: sizes 0, 1, 1, 1: an
     # empty micro-batch must be harmless; it does not call the model: empty_batch_test).
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(7), epochs=1, verbose=0,
@@ -354,6 +369,7 @@ def test_poisson_logical_batches_are_split_into_disjoint_micro_batches():
     model, rec = _recording_model(seed=1)
     model.compile(optimizer=DPSGD(1.0, 1.0, learning_rate=0.05, seed=seed,
                                   gradient_accumulation_steps=k), loss="mse")
+    _checked(model, rec, x, y)
     model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=steps, verbose=0)
     assert int(model.optimizer.iterations) == steps
 
@@ -560,6 +576,7 @@ def test_every_fit_step_is_a_logical_step():
         model, rec = _recording_model(seed=18)
         model.compile(optimizer=DPSGD(1.0, sigma, learning_rate=0.05, seed=3,
                                       gradient_accumulation_steps=k), loss="mse")
+        _checked(model, rec, x, y)
         fit(model)
         assert int(model.optimizer.iterations) == 8, mode
         sizes = [len(g) for g in rec.log()]

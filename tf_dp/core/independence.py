@@ -212,6 +212,14 @@ _ROWS_CHECKED = weakref.WeakKeyDictionary()  # the same for check_ghost_rows_are
 _ATTEMPTED = weakref.WeakKeyDictionary()
 
 
+def checks_passed(model) -> bool:
+    """Whether ``model``'s current architecture passed the per-example check (and, where the
+    norms come from ghost rules, the row check) — False when a check could not compare."""
+    signature = _architecture(model)
+    return _CHECKED.get(model) == signature and (
+        _ROWS_CHECKED.get(model) == signature or not _uses_ghost_rules(model, None))
+
+
 def checks_attempted(model) -> bool:
     """Whether :func:`check_before_private_training` ever ran for ``model``: a private step
     traced before that would train a model nobody looked at for layers that mix examples
@@ -341,6 +349,7 @@ class _Checker:
         except Exception as err:  # noqa: BLE001 - the private step will report it properly
             _warn_unchecked(f"the model could not be called on {n} rows ({err})")
             return False  # nothing compared: the model must not be marked as checked
+        self._refuse_state_written_from_data(run_pass, xs, ys, coef, comparisons[0].index)
         for comp in comparisons:
             ref = refs["first" if comp.rows == first else "second"]
             try:
@@ -373,6 +382,27 @@ class _Checker:
                     continue
             raise ValueError(self._message(xs, comp, diff, n, stochastic_off))
         return True
+
+    def _refuse_state_written_from_data(self, run_pass, xs, ys, coef, other):
+        """Raises if a training-mode pass writes a variable of the model from the data: from
+        the same starting state, a pass on the batch and a pass on the batch with its second
+        half replaced (rows ``other``) must leave every variable (seed generators' states
+        aside) bit for bit the same. Data-independent writes pass: a step counter, a power
+        iteration on the weights (SpectralNormalization normalises its kernel in the forward
+        pass). A variable too large to copy must not be written at all."""
+        watched = _watched_state(self.model) + list(self.model.trainable_variables)
+        start = [_snapshot(v) for v in watched]
+        after = []
+        for index in (list(range(_num_rows(xs))), other):
+            for v, s in zip(watched, start):
+                _restore(v, s)
+            run_pass(_take(xs, index), _take(ys, index), coef[index])
+            after.append([_snapshot(v) for v in watched])
+        for v, s in zip(watched, start):
+            _restore(v, s)
+        for v, s, a, b in zip(watched, start, *after):
+            if not (_same(a, b) and (s[0] == "copy" or _same(s, a))):
+                raise ValueError(_state_message(self.model, v, _num_rows(xs)))
 
     def _pass(self, xs, ys, coef):
         """One replayed training-mode pass: outputs, per-example losses (unit weights) and
@@ -454,6 +484,62 @@ class _Checker:
                             "sublayers)"), layer
                 return f"Layer {layer.name!r} ({kind})", layer
         return None, None
+
+
+def seed_states(layer) -> list:
+    """The state variables of the Keras seed generators in ``layer`` (and its sublayers)."""
+    return [g.state for g in _seed_generators(layer)]
+
+
+def _watched_state(model):
+    """The model's non-trainable variables a forward pass could write (seed generators'
+    states aside: they advance alike for any data and are replayed)."""
+    seeds = seed_states(model)
+    return [v for v in model.non_trainable_variables if not any(v is s for s in seeds)]
+
+
+def _snapshot(v):
+    """A copy of ``v``, or for a large one (a frozen table) a fingerprint: no copy of a
+    table that no forward pass writes."""
+    if _size(v) <= _MAX_SAVED_ENTRIES:
+        return ("copy", tf.identity(v.value))
+    flat = tf.cast(tf.reshape(v.value, [-1]), tf.float64)
+    weights = tf.sin(tf.range(tf.size(flat, out_type=tf.int64), dtype=tf.float64) + 1.0)
+    return ("fingerprint", tf.reduce_sum(flat * weights))
+
+
+def _restore(v, snap):
+    kind, value = snap
+    if kind == "copy":
+        v.assign(value)
+
+
+def _same(a, b):
+    if a[0] == "fingerprint":
+        return bool(a[1].numpy() == b[1].numpy())
+    x, y = a[1].numpy(), b[1].numpy()
+    return x.shape == y.shape and bool(np.all((x == y) | (np.isnan(x) & np.isnan(y))
+                                              if x.dtype.kind in "fc" else x == y))
+
+
+def _state_message(model, variable, n):
+    owner = None
+    for layer in _internals.all_layers(model):
+        if any(w is variable for w in layer.weights):
+            owner = layer  # the deepest layer holding it comes last
+    where = (f"Layer {owner.name!r} ({type(owner).__name__})" if owner is not None
+             else "The model")
+    name = getattr(variable, "path", None) or variable.name
+    stateful = (" A stateful RNN carries its states from batch to batch: use stateful=False."
+                if getattr(owner, "stateful", False) else "")
+    kind = "trainable" if variable.trainable else "non-trainable"
+    return (f"tf_dp: {where} writes its {kind} variable {name!r} from the training data in "
+            f"its forward pass: its value after a training-mode pass changed when other "
+            f"examples were passed (checked on {n} rows of the first batch). That write is "
+            "outside the DP optimizer (no clipping, no noise, not accounted) and is released "
+            "with the model (weights, checkpoints, saved files), and it feeds later steps, so "
+            f"the reported epsilon would not hold.{stateful} Compute such statistics outside "
+            "training (on public data), or remove the write.")
 
 
 def _masked(coef, rows):
@@ -1091,17 +1177,19 @@ def _seed_generators(model):
 
 @contextlib.contextmanager
 def _preserved_state(model):
-    """Yields the seed generators' saved states (for replay); restores them and the
-    non-trainable state a forward pass may update (normalisation statistics, RNN states,
-    counters) at exit. Large non-trainable tables (frozen embeddings) are not copied: no
-    forward pass writes them."""
+    """Yields what every pass replays: the seed generators' states and the model's variables
+    (trainable and non-trainable) as they were. Each pass starts from them, so a layer that
+    writes a variable in its forward pass (SpectralNormalization normalises its kernel, a
+    counter, normalisation statistics, RNN states) does not make two passes differ; at exit
+    everything is as it was. Large tables (frozen embeddings) are not copied: no forward pass
+    writes them (a pass that does is refused, ``_refuse_state_written_from_data``)."""
     gens = _seed_generators(model)
     seeds = [tf.identity(g.state.value) for g in gens]
-    state = [v for v in model.non_trainable_variables
+    state = [v for v in model.variables
              if not any(v is g.state for g in gens) and _size(v) <= _MAX_SAVED_ENTRIES]
     saved = [tf.identity(v.value) for v in state]
     try:
-        yield gens, seeds
+        yield gens, seeds, state, saved
     finally:
         for v, s in zip(state, saved):
             v.assign(s)
@@ -1117,7 +1205,9 @@ def _size(v):
 
 
 def _replay(replay):
-    gens, seeds = replay
+    gens, seeds, state, saved = replay
+    for v, s in zip(state, saved):
+        v.assign(s)
     for g, s in zip(gens, seeds):
         g.state.assign(s)
 

@@ -26,8 +26,16 @@ from tf_dp.core.norm_strategies import (  # noqa: F401
 
 
 def check_no_cross_example_layers(model):
-    """Refuses trainable BatchNormalization (its batch statistics mix examples)."""
+    """Refuses trainable BatchNormalization (its batch statistics mix examples) and stateful
+    recurrent layers (their states carry one step's examples into the next step)."""
     for layer in _internals.all_layers(model, include_self=False):
+        if isinstance(layer, keras.layers.RNN) and getattr(layer, "stateful", False):
+            raise ValueError(
+                f"Layer {layer.name!r} is a stateful recurrent layer (stateful=True): its "
+                "states carry the examples of one batch into the next batch's outputs, so an "
+                "example influences steps it was not sampled for and its contribution is not "
+                "bounded by the clipping norm; its states would also be saved with the model "
+                "without noise. Use stateful=False (the default).")
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
             raise ValueError(
                 f"Layer {layer.name!r} is a BatchNormalization layer: its batch statistics mix "

@@ -576,6 +576,10 @@ class DPTrainMixin:
         independence.check_before_private_training(
             self, x, y, sample_weight, self._dp_loss,
             variables=carriers.carrier_for(self).privatized)
+        if not independence.checks_passed(self):
+            # The check could not compare (it warned why): the steps that follow train a
+            # model nobody confirmed to be per-example.
+            self._dp_caveat(_UNCHECKED_CAVEAT)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras peeks one distributed batch here and averages it over replicas, which fails
@@ -1057,28 +1061,48 @@ def _dp_optimizer_of(optimizer):
     return inner if isinstance(inner, DPOptimizerMixin) else None
 
 
+def _custom_name(layer):
+    """The name of ``layer``'s ``call`` if it is code from outside Keras and tf_dp, else None."""
+    if isinstance(layer, keras.layers.Lambda):
+        return f"Lambda({getattr(layer.function, '__name__', '?')})"
+    owner = next((c for c in type(layer).__mro__ if "call" in c.__dict__), None)
+    module = (getattr(owner, "__module__", None) or "") if owner is not None else "keras."
+    return None if module.startswith(("keras.", "tf_dp.", "tensorflow.")) else (
+        type(layer).__name__)
+
+
 def custom_code(model) -> list:
     """Names of the layers of ``model`` (itself included) whose ``call`` is code from outside
     Keras and tf_dp: custom layer classes, ``Lambda`` functions, a subclassed model's
     ``call``. Their per-example independence is checked on the first batch only."""
+    names = {_custom_name(layer) for layer in _internals.all_layers(model, include_self=True)}
+    return sorted(names - {None})
+
+
+def custom_state(model) -> list:
+    """Names of the custom layers of ``model`` (as :func:`custom_code`) that hold
+    non-trainable variables other than seed generators' states: state their own code could
+    write from the data."""
     names = set()
     for layer in _internals.all_layers(model, include_self=True):
-        if isinstance(layer, keras.layers.Lambda):
-            names.add(f"Lambda({getattr(layer.function, '__name__', '?')})")
-            continue
-        owner = next((c for c in type(layer).__mro__ if "call" in c.__dict__), None)
-        module = (getattr(owner, "__module__", None) or "") if owner is not None else "keras."
-        if not module.startswith(("keras.", "tf_dp.", "tensorflow.")):
-            names.add(type(layer).__name__)
+        name = _custom_name(layer)
+        seeds = independence.seed_states(layer)
+        if name is not None and any(not any(v is s for s in seeds)
+                                    for v in layer.non_trainable_weights):
+            names.add(name)
     return sorted(names)
 
 
 def _note_custom_code(model, opt):
     """The PER_EXAMPLE_ASSUMED caveat when custom code runs on a path that computes
     per-example quantities from the batched forward and backward pass (every strategy but
-    the vectorized one, which runs each example alone)."""
+    the vectorized one, which runs each example alone); STATE_ASSUMED when custom layers
+    hold non-trainable state (every strategy: the vectorized pass writes it too)."""
     from tf_dp.core import norm_strategies  # noqa: PLC0415
 
+    stateful = custom_state(model)
+    if stateful:
+        model._dp_caveat(_STATE_CAVEAT.format(names=", ".join(stateful)))
     if isinstance(opt.norm_strategy, norm_strategies.Vectorized):
         return
     names = custom_code(model)
@@ -1093,6 +1117,19 @@ _PER_EXAMPLE_CAVEAT = (
     "values passes that check, so the guarantee assumes this code never mixes examples. "
     "norm_strategy='vmap' runs every example alone and needs no such assumption "
     "(docs/privacy.md).")
+
+_UNCHECKED_CAVEAT = (
+    "UNCHECKED: tf_dp could not run its checks that the model treats the examples of a batch "
+    "independently and writes no state from the data (fit's warning says why: input that "
+    "cannot be read ahead, fewer than two rows, a forward pass that cannot be replayed); the "
+    "guarantee assumes the model does (docs/privacy.md).")
+
+_STATE_CAVEAT = (
+    "STATE_ASSUMED: custom layers ({names}) hold non-trainable variables. tf_dp checked on "
+    "the first batch that a training-mode pass does not write them from the data (such state "
+    "would be released with the model without noise); a write that happens only for some "
+    "input values passes that check, so the guarantee assumes this code never writes its "
+    "state from the data (docs/privacy.md).")
 
 _SEEDED_CAVEAT = (
     "SEEDED: a DP optimizer or sampler of this run was given a seed: anyone holding the seed "
