@@ -135,6 +135,15 @@ def test_train_on_batch_and_check_before_training_refuse_it_too():
         model.check_before_training(_x(16), np.zeros((16, 1), np.float32))
 
 
+def test_an_eager_custom_loop_is_refused_before_the_batch_reaches_the_model():
+    model = _private(RunningSum(name="leak"))
+    with pytest.raises(ValueError, match="writes its non-trainable variable"):
+        model.train_step((tf.constant(_x(16)), tf.zeros((16, 1))))
+    # The check ran before the step's own forward pass: the batch left nothing behind.
+    assert float(model.get_layer("leak").total.numpy()) == 0.0
+    assert model.optimizer.iterations.numpy() == 0
+
+
 @pytest.mark.parametrize("rnn", [keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN])
 def test_stateful_recurrent_layers_are_refused(rnn):
     model = tf_dp.keras.make_private(keras.Sequential([

@@ -725,16 +725,18 @@ class DPTrainMixin:
         # C of this step, read once: every micro-batch is clipped to it and the noise scaled
         # by it (adaptive clipping moves it only after the step's update).
         clip = opt.current_clip()
+        if tf.executing_eagerly() and not tf.distribute.has_strategy():
+            # An eager custom loop: the same check fit() runs (cached after its first run),
+            # before the step's own forward pass, which a refused model must not run on the
+            # batch (a write from the data would already be in its variables).
+            independence.check_before_private_training(self, x, y, sample_weight,
+                                                       self._dp_loss, variables=variables)
         if k == 1 and max_rows is None:
             grads, count = self._dp_micro_step(x, y, sample_weight, variables, jl_seed, clip)
         else:
             grads, count = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed,
                                                max_rows, clip)
         _refuse_data_dependent_losses(self)
-        if tf.executing_eagerly() and not tf.distribute.has_strategy():
-            # An eager custom loop: the same check fit() runs (cached after its first run).
-            independence.check_before_private_training(self, x, y, sample_weight,
-                                                       self._dp_loss, variables=variables)
         if expected is None:
             # Not sampled by tf_dp (q = 1): the realised size is treated as public and is the
             # divisor; an empty batch releases its noise divided by 1 (not by 0: NaN weights).
