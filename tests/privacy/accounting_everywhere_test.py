@@ -194,6 +194,24 @@ def test_target_epsilon_is_never_exceeded(steps_per_execution):
         model.train_on_batch(x[:20], y[:20])
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 3, 7, 100])
+def test_fit_takes_the_steps_it_was_asked_for_whatever_steps_per_execution(steps_per_execution):
+    """Keras rounds each epoch up to a multiple of steps_per_execution on an endless input
+    (the Poisson sampler's): 3 epochs of 10 steps ran 33 steps at 3 and 300 at 100 (session 19
+    audit). The accounting was right, but the run spent more than planned."""
+    x, y = _data()  # 200 examples, batch 20: 10 Poisson steps per epoch
+    model = _compiled(1.0, steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=20, epochs=3, verbose=0)
+    assert model.accountant.steps == int(model.optimizer.iterations) == 30
+    # A repeated tf.data input with its steps_per_epoch, and initial_epoch.
+    model = _compiled(1.0, steps_per_execution=steps_per_execution)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(20).repeat()
+    with pytest.warns(UserWarning, match="fixed"):
+        model.fit(data, dataset_size=200, steps_per_epoch=10, epochs=4, initial_epoch=1,
+                  verbose=0)
+    assert model.accountant.steps == int(model.optimizer.iterations) == 30
+
+
 def test_a_target_below_one_step_says_so():
     x, y = _data()
     model = _compiled(0.5, target_epsilon=0.01)

@@ -459,14 +459,25 @@ class DPTrainMixin:
             warnings.warn(self.privacy_budget.no_budget_message(first), UserWarning,
                           stacklevel=2)
             return _empty_history(self)
-        if budget is not None:
+        planned = None
+        if fit_args.get("steps_per_epoch") and getattr(self, "steps_per_execution", 1) > 1:
+            # Keras rounds every epoch up to a multiple of steps_per_execution on an endless
+            # input (a Poisson sampler's, a repeated dataset): 3 epochs of 8 steps ran 27
+            # steps at steps_per_execution=3 and 300 at 100, spending more than planned. The
+            # stream ends after the steps asked for, and training stops there (PrivacyCallback:
+            # Keras would otherwise start the next epoch on a fresh iterator); the epochs then
+            # split the steps differently.
+            planned = (epochs - int(kwargs.get("initial_epoch", 0) or 0)) * int(
+                fit_args["steps_per_epoch"])
+        limit = planned if budget is None else budget if planned is None else min(budget, planned)
+        if limit is not None:
             # Never more logical steps than the budget allows, whatever steps_per_execution:
             # the data stream itself ends there.
             if fit_args.get("validation_split") and validation_data is None:
                 (fit_args["x"], fit_args["y"], fit_args["sample_weight"]), validation_data = (
                     _split_validation(fit_args["x"], fit_args["y"], fit_args["sample_weight"],
                                       fit_args["validation_split"]))
-            fit_args["x"] = _limit_steps(fit_args, budget)
+            fit_args["x"] = _limit_steps(fit_args, limit)
             if not isinstance(fit_args["x"], tf.data.Dataset):
                 raise ValueError("`target_epsilon` needs array, PoissonSampler or tf.data input.")
             for key in ("y", "sample_weight", "batch_size", "validation_split"):
@@ -493,7 +504,7 @@ class DPTrainMixin:
                 self.distribute_strategy, validation_data,
                 kwargs.pop("validation_batch_size", None) or batch_size or 32)
         self._dp_set_sampling(expected, q, poisson=poisson)
-        privacy = PrivacyCallback(max_steps=budget, verbose=verbose)
+        privacy = PrivacyCallback(max_steps=budget, verbose=verbose, planned_steps=planned)
         in_flight = (max((opt.mechanism(p) for p in q), key=lambda m: m[1]) if scheduled
                      else opt.mechanism(q))
         for journal in journals:

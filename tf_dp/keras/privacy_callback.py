@@ -27,11 +27,15 @@ class PrivacyCallback(keras.callbacks.Callback):
     Args:
       max_steps: steps this fit may take within the target epsilon (None: no target).
       verbose: fit's verbosity; 0 silences the stop message.
+      planned_steps: the steps the fit was asked for (epochs x steps per epoch), where Keras
+        would run more (``steps_per_execution`` not dividing an endless input's epochs): it
+        stops there, silently (None: Keras' own count).
     """
 
-    def __init__(self, max_steps=None, verbose="auto"):
+    def __init__(self, max_steps=None, verbose="auto", planned_steps=None):
         super().__init__()
         self.max_steps = max_steps
+        self.planned_steps = planned_steps
         self.verbose = verbose
         self._start = 0
         self._warned = False
@@ -46,6 +50,8 @@ class PrivacyCallback(keras.callbacks.Callback):
                 _LOG.warning("tf_dp: stopping: the next step would exceed the target epsilon "
                              "%g at delta %g.", self.model.target_epsilon,
                              self.model.privacy_delta)
+            self.model.stop_training = True
+        if self.planned_steps is not None and taken >= self.planned_steps:
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
