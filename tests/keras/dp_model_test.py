@@ -952,6 +952,32 @@ def test_multi_output_models_report_per_output_losses_like_keras():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("loss_weights", [None, {"o2": 3.0, "o1": 0.5}, [0.5, 3.0]])
+def test_a_dict_output_model_is_scored_by_key_like_keras(loss_weights):
+    """Outputs keyed otherwise than their layers, targets given in another order: the
+    per-example loss reads each output by its key (make_private used to flatten the outputs
+    to a list, so the loss dict could not even compile; a list loss_weights raised)."""
+    rng = np.random.default_rng(0)
+    inp = keras.Input((3,))
+    model = make_private(keras.Model(inp, {"o1": keras.layers.Dense(1, name="p1")(inp),
+                                           "o2": keras.layers.Dense(2, name="p2")(inp)}))
+    model.compile(optimizer=DPSGD(1.0, 0.0, learning_rate=0.0),
+                  loss={"o1": "mse", "o2": keras.losses.MeanAbsoluteError()},
+                  loss_weights=loss_weights)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    y = {"o2": rng.normal(size=(8, 2)).astype("float32") + 50.0,
+         "o1": rng.normal(size=(8, 1)).astype("float32")}
+    pred = model(x)
+    assert sorted(pred) == ["o1", "o2"]
+    w1, w2 = ((1.0, 1.0) if loss_weights is None else (0.5, 3.0))
+    want = (w1 * np.mean((pred["o1"].numpy() - y["o1"]) ** 2, axis=1)
+            + w2 * np.mean(np.abs(pred["o2"].numpy() - y["o2"]), axis=1))
+    np.testing.assert_allclose(model._dp_loss(y, pred, None).numpy(), want, rtol=1e-5)
+    logs = model.fit(x, y, batch_size=8, epochs=1, verbose=0, poisson_sampling=False).history
+    # Keras' own loss of the same batch, at the same (unchanged: learning rate 0) weights.
+    np.testing.assert_allclose(logs["loss"][-1], want.mean(), rtol=1e-4)
+
+
 _USER_MODULE = """
 import keras
 

@@ -58,21 +58,20 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
             raise ValueError(
                 f"`loss` has keys {missing} that are not model outputs {names}."
             )
-        entries = [(names.index(k), _loss_callable(v), _weight(loss_weights, k)) for k, v in
-                   loss.items()]
-    elif isinstance(loss, (list, tuple)):
-        entries = [(i, _loss_callable(v), _weight(loss_weights, i)) for i, v in enumerate(loss)
+        # A dict of targets or predictions is read by key, anything else by position.
+        entries = [((k, names.index(k)), _loss_callable(v),
+                    _weight(loss_weights, k, names.index(k))) for k, v in loss.items()
                    if v is not None]
+    elif isinstance(loss, (list, tuple)):
+        entries = [((None, i), _loss_callable(v), _weight(loss_weights, None, i))
+                   for i, v in enumerate(loss) if v is not None]
     else:
-        entries = [(None, _loss_callable(loss), _weight(loss_weights, None))]
+        entries = [((None, None), _loss_callable(loss), _weight(loss_weights, None, None))]
 
     def per_example_loss(y_true, y_pred, sample_weight=None):
-        flat_true = _flatten_outputs(y_true)
-        flat_pred = _flatten_outputs(y_pred)
         total = None
-        for index, (fn, within_sum), weight in entries:
-            yt = flat_true[0] if index is None else flat_true[index]
-            yp = flat_pred[0] if index is None else flat_pred[index]
+        for where, (fn, within_sum), weight in entries:
+            yt, yp = _output(y_true, *where), _output(y_pred, *where)
             values = _unreduced(fn, yt, yp, within_sum)
             if weight is not None:
                 values = values * weight
@@ -87,22 +86,27 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
     return per_example_loss
 
 
-def _weight(loss_weights, key):
+def _weight(loss_weights, key, index):
+    """The weight of the output named ``key`` (a dict loss) at position ``index``."""
     if loss_weights is None:
         return None
     if isinstance(loss_weights, dict):
-        return loss_weights.get(key, 1.0)
+        return loss_weights.get(key if key is not None else index, 1.0)
     if isinstance(loss_weights, (list, tuple)):
-        return loss_weights[key] if key is not None else loss_weights[0]
+        return loss_weights[index if index is not None else 0]
     return float(loss_weights)
 
 
-def _flatten_outputs(y):
+def _output(y, key, index):
+    """One output of targets or predictions ``y``: by ``key`` from a dict that has it, else
+    at position ``index`` (None: a single output)."""
     if isinstance(y, dict):
-        return list(y.values())
-    if isinstance(y, (list, tuple)):
-        return list(y)
-    return [y]
+        if key is not None and key in y:
+            return y[key]
+        y = list(y.values())
+    elif not isinstance(y, (list, tuple)):
+        y = [y]
+    return y[0 if index is None else index]
 
 
 def _unreduced(fn, y_true, y_pred, within_sum):

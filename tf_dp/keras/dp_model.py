@@ -275,8 +275,8 @@ class DPTrainMixin:
             object.__setattr__(self, "_dp_compiling", False)
         if self.built:
             self._dp_claim_variables()
-        names = getattr(self, "output_names", None)
-        self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights, names)
+        self._dp_loss = losses_lib.build_per_example_loss(loss, loss_weights,
+                                                          _output_names(self))
         # mixed_float16: a fixed, data-independent loss scale (Keras' dynamic scaling skips
         # steps when a gradient overflows, a decision that depends on the private data).
         # If a LossScaleOptimizer wraps the DP optimizer anyway (auto_scale_loss=True or a
@@ -1066,6 +1066,18 @@ class _StoreWithout:
         return self._store[key]
 
 
+def _output_names(model):
+    """The names a dict ``loss`` refers to: a functional model's output dict keys (which
+    need not be its output layers' names), else ``output_names``."""
+    try:
+        structure = model.output  # raises for a model never called (Sequential, subclassed)
+    except (AttributeError, ValueError, RuntimeError):
+        structure = None
+    if isinstance(structure, dict):
+        return list(structure.keys())
+    return getattr(model, "output_names", None)
+
+
 def _dp_optimizer_of(optimizer):
     """The tf_dp optimizer, also inside Keras' LossScaleOptimizer; None if there is none."""
     if isinstance(optimizer, DPOptimizerMixin):
@@ -1481,7 +1493,9 @@ def _private_version(model):
             private.build(model.inputs[0].shape)
         return private
     if _internals.is_functional(model):
-        return DPModel(inputs=model.inputs, outputs=model.outputs, name=model.name)
+        # The input and output structures (a dict of outputs keyed otherwise than its
+        # layers' names), not the flat lists: targets and losses refer to them.
+        return DPModel(inputs=model.input, outputs=model.output, name=model.name)
     # Subclassed model: derive a private class so the instance keeps its own call/state.
     _internals.give_class(model, private_subclass(type(model)))
     return model
