@@ -42,6 +42,19 @@ class RunningSum(keras.layers.Layer):
         return x
 
 
+class RunningMax(keras.layers.Layer):
+    """Keeps the largest input it has seen (a leak a sum-like probe can miss: the maximum
+    is unchanged when the half of the batch that lacks it is replaced)."""
+
+    def build(self, shape):
+        self.top = self.add_weight(shape=(), initializer="zeros", trainable=False, name="top")
+
+    def call(self, x, training=None):
+        if training:
+            self.top.assign(tf.maximum(self.top, tf.reduce_max(x)))
+        return x
+
+
 class Drift(keras.layers.Layer):
     """Moves its trainable weight by the batch mean in the forward pass (a leak)."""
 
@@ -120,6 +133,14 @@ def test_a_write_from_the_data_is_refused_on_every_strategy(strategy):
         _fit(model, _x())
     assert model.optimizer.iterations.numpy() == 0
     assert float(model.get_layer("leak").total.numpy()) == 0.0  # the check restored it
+
+
+@pytest.mark.parametrize("row", [0, 7])  # the maximum in the probe's first or second half
+def test_a_running_maximum_is_refused_wherever_the_maximum_lies(row):
+    x = _x()
+    x[row] = 50.0
+    with pytest.raises(ValueError, match=r"top_layer/top' from the training data"):
+        _fit(_private(RunningMax(name="top_layer")), x)
 
 
 def test_a_write_to_a_trainable_weight_is_refused():

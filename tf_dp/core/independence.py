@@ -349,7 +349,8 @@ class _Checker:
         except Exception as err:  # noqa: BLE001 - the private step will report it properly
             _warn_unchecked(f"the model could not be called on {n} rows ({err})")
             return False  # nothing compared: the model must not be marked as checked
-        self._refuse_state_written_from_data(run_pass, xs, ys, coef, comparisons[0].index)
+        self._refuse_state_written_from_data(run_pass, xs, ys, coef,
+                                             [c.index for c in comparisons[:2]])
         for comp in comparisons:
             ref = refs["first" if comp.rows == first else "second"]
             try:
@@ -383,25 +384,28 @@ class _Checker:
             raise ValueError(self._message(xs, comp, diff, n, stochastic_off))
         return True
 
-    def _refuse_state_written_from_data(self, run_pass, xs, ys, coef, other):
+    def _refuse_state_written_from_data(self, run_pass, xs, ys, coef, others):
         """Raises if a training-mode pass writes a variable of the model from the data: from
-        the same starting state, a pass on the batch and a pass on the batch with its second
-        half replaced (rows ``other``) must leave every variable (seed generators' states
-        aside) bit for bit the same. Data-independent writes pass: a step counter, a power
-        iteration on the weights (SpectralNormalization normalises its kernel in the forward
-        pass). A variable too large to copy must not be written at all."""
+        the same starting state, a pass on the batch and passes on the batch with one half
+        replaced by copies of the other (rows ``others``: either half, so that a statistic
+        such as a maximum differs wherever it lies) must leave every variable (seed
+        generators' states aside) bit for bit the same. Data-independent writes pass: a step
+        counter, a power iteration on the weights (SpectralNormalization normalises its
+        kernel in the forward pass). A variable too large to copy must not be written at
+        all."""
         watched = _watched_state(self.model) + list(self.model.trainable_variables)
         start = [_snapshot(v) for v in watched]
         after = []
-        for index in (list(range(_num_rows(xs))), other):
+        for index in [list(range(_num_rows(xs)))] + list(others):
             for v, s in zip(watched, start):
                 _restore(v, s)
             run_pass(_take(xs, index), _take(ys, index), coef[index])
             after.append([_snapshot(v) for v in watched])
         for v, s in zip(watched, start):
             _restore(v, s)
-        for v, s, a, b in zip(watched, start, *after):
-            if not (_same(a, b) and (s[0] == "copy" or _same(s, a))):
+        for v, s, first, *rest in zip(watched, start, *after):
+            if not all(_same(first, b) for b in rest) or (s[0] != "copy"
+                                                          and not _same(s, first)):
                 raise ValueError(_state_message(self.model, v, _num_rows(xs)))
 
     def _pass(self, xs, ys, coef):
