@@ -7,7 +7,6 @@ Expected updates are computed by hand from per-example gradients of a plain twin
 
 import math
 import sys
-import types
 
 import keras
 import numpy as np
@@ -271,43 +270,37 @@ def test_weight_regularizer_matches_keras(k):
 
 
 class _Recorder(keras.layers.Layer):
-    """Identity layer recording, for every training forward pass, its batch size and the
-    example ids it saw (``x[:, 0]``); the data sets below store each example's id there.
+    """Identity layer recording, for every training forward pass, the example ids it saw
+    (``x[:, 0]``); the data sets below store each example's id there.
 
-    The record is kept in variables outside the model (a spy, not the model's state: tf_dp
-    refuses a model whose forward pass writes its own variables from the data). The checks
-    ``fit`` runs before training also call the model: ``_checked`` runs them first and then
-    clears the record."""
+    The record is a Python list filled by ``tf.numpy_function``, not a variable: tf_dp refuses
+    a model whose training pass writes a variable from the data, its own or one outside it.
+    The checks ``fit`` runs before training also call the model: ``_checked`` runs them first
+    and then clears the record."""
 
-    def __init__(self, calls=64, ids=1024, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        # A plain container: Keras does not track variables inside it.
-        self._spy = types.SimpleNamespace(
-            sizes=tf.Variable(tf.zeros([calls], tf.int32), trainable=False),
-            ids=tf.Variable(tf.zeros([ids], tf.float32), trainable=False),
-            calls=tf.Variable(0, trainable=False), seen=tf.Variable(0, trainable=False))
+        self._passes = []
 
     def call(self, x, training=False):
         if training:
-            spy, m = self._spy, tf.shape(x)[0]
-            spy.sizes.assign(tf.tensor_scatter_nd_update(spy.sizes.value(), [[spy.calls]], [m]))
-            where = (spy.seen + tf.range(m))[:, None]
-            spy.ids.assign(tf.tensor_scatter_nd_update(spy.ids.value(), where, x[:, 0]))
-            spy.calls.assign_add(1)
-            spy.seen.assign_add(m)
+            def record(ids):
+                self._passes.append(np.array(ids))
+                return np.int32(0)
+
+            done = tf.numpy_function(record, [x[:, 0]], tf.int32, stateful=True)
+            with tf.control_dependencies([done]):
+                x = tf.identity(x)
         return x
 
     def clear(self):
-        for v in vars(self._spy).values():
-            v.assign(tf.zeros_like(v))
+        self._passes.clear()
 
     def log(self):
         """The ids of every training forward pass, in order (one array per pass)."""
-        spy = self._spy
-        sizes = spy.sizes.numpy()[:int(spy.calls.numpy())]
-        ids = spy.ids.numpy()[:int(spy.seen.numpy())]
-        np.testing.assert_array_equal(ids, np.round(ids))
-        return np.split(ids.astype(np.int64), np.cumsum(sizes)[:-1])
+        for ids in self._passes:
+            np.testing.assert_array_equal(ids, np.round(ids))
+        return [ids.astype(np.int64) for ids in self._passes]
 
 
 def _checked(model, rec, x, y):

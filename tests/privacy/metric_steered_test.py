@@ -121,6 +121,11 @@ def test_a_subclass_and_a_callback_list_are_seen():
         pass
 
     assert _kinds(keras.callbacks.CallbackList([Patient(monitor="loss")])) == ["METRIC_STEERED"]
+    # Nested lists (Keras runs what is inside them), a tuple, a generator.
+    nested = keras.callbacks.CallbackList([keras.callbacks.CallbackList([Patient(monitor="loss")])])
+    assert _kinds([nested]) == ["METRIC_STEERED"]
+    assert _kinds((Patient(monitor="loss"),)) == ["METRIC_STEERED"]
+    assert _kinds(c for c in [Patient(monitor="loss")]) == ["METRIC_STEERED"]
     assert _kinds(Patient(monitor="loss")) == ["METRIC_STEERED"]
 
 

@@ -55,6 +55,34 @@ class RunningMax(keras.layers.Layer):
         return x
 
 
+class RawCalibration(keras.layers.Layer):
+    """Keeps the largest |input| in a raw tf.Variable attribute: not one of the model's
+    variables (Keras does not track it), but a checkpoint of the model saves it."""
+
+    def __init__(self, write=True, **kwargs):
+        super().__init__(**kwargs)
+        self.write = write
+        self.max_abs = tf.Variable(0.0, trainable=False, name="max_abs")
+
+    def call(self, x, training=None):
+        if training and self.write:
+            self.max_abs.assign(tf.maximum(self.max_abs, tf.reduce_max(tf.abs(x))))
+        return x + 0.0 * self.max_abs
+
+
+class BigTableMax(keras.layers.Layer):
+    """A running maximum in one entry of a table too large to copy (2^22 + 8 entries)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(2**22 + 8,), initializer="zeros", trainable=False,
+                                     name="table")
+
+    def call(self, x, training=None):
+        if training:
+            self.table.assign(tf.tensor_scatter_nd_max(self.table, [[5]], [tf.reduce_max(x)]))
+        return x
+
+
 class Drift(keras.layers.Layer):
     """Moves its trainable weight by the batch mean in the forward pass (a leak)."""
 
@@ -141,6 +169,33 @@ def test_a_running_maximum_is_refused_wherever_the_maximum_lies(row):
     x[row] = 50.0
     with pytest.raises(ValueError, match=r"top_layer/top' from the training data"):
         _fit(_private(RunningMax(name="top_layer")), x)
+
+
+def test_a_write_to_a_variable_outside_the_model_is_refused():
+    """Found by the session's second sweep: the first version watched model.variables only;
+    the raw variable then ended in a tf.train.Checkpoint holding the planted outlier."""
+    x = _x()
+    x[3, 1] = 123.0
+    model = _private(RawCalibration(name="calib"))
+    with pytest.raises(ValueError, match=r"Layer 'calib' \(RawCalibration\) writes its "
+                                         r"non-trainable variable 'max_abs'"):
+        _fit(model, x)
+    assert float(model.get_layer("calib").max_abs.numpy()) == 0.0
+
+
+def test_a_variable_outside_the_model_that_is_only_read_is_named_in_the_report():
+    model = _private(RawCalibration(write=False))
+    _fit(model, _x())
+    (state,) = [c for c in model.privacy_caveats if c.startswith("STATE_ASSUMED")]
+    assert "outside the model (max_abs)" in state
+    assert model.privacy_report()["guarantee_holds"] is True
+
+
+def test_a_write_to_a_table_too_large_to_copy_is_refused():
+    """The first version took the large table's fingerprint after the check's first passes
+    had written it: a running maximum then passed (second sweep)."""
+    with pytest.raises(ValueError, match=r"'big' \(BigTableMax\) writes its non-trainable"):
+        _fit(_private(BigTableMax(name="big")), _x())
 
 
 def test_a_write_to_a_trainable_weight_is_refused():

@@ -344,13 +344,17 @@ class _Checker:
         # eagerly than traced).
         run_pass = self._compiled(xs, ys)
         try:
+            # Every variable the pass reads or writes, before any pass runs (tracing runs
+            # none): the state before the data touched it.
+            watched = self._watch(run_pass.variables(xs, ys, _masked(coef, first)))
+            start = [_snapshot(v) for v in watched]
             refs = {"first": run_pass(xs, ys, _masked(coef, first)),
                     "second": run_pass(xs, ys, _masked(coef, second))}
         except Exception as err:  # noqa: BLE001 - the private step will report it properly
             _warn_unchecked(f"the model could not be called on {n} rows ({err})")
             return False  # nothing compared: the model must not be marked as checked
         self._refuse_state_written_from_data(run_pass, xs, ys, coef,
-                                             [c.index for c in comparisons[:2]])
+                                             [c.index for c in comparisons[:2]], watched, start)
         for comp in comparisons:
             ref = refs["first" if comp.rows == first else "second"]
             try:
@@ -384,17 +388,35 @@ class _Checker:
             raise ValueError(self._message(xs, comp, diff, n, stochastic_off))
         return True
 
-    def _refuse_state_written_from_data(self, run_pass, xs, ys, coef, others):
-        """Raises if a training-mode pass writes a variable of the model from the data: from
-        the same starting state, a pass on the batch and passes on the batch with one half
-        replaced by copies of the other (rows ``others``: either half, so that a statistic
-        such as a maximum differs wherever it lies) must leave every variable (seed
-        generators' states aside) bit for bit the same. Data-independent writes pass: a step
-        counter, a power iteration on the weights (SpectralNormalization normalises its
-        kernel in the forward pass). A variable too large to copy must not be written at
-        all."""
-        watched = _watched_state(self.model) + list(self.model.trainable_variables)
-        start = [_snapshot(v) for v in watched]
+    def _watch(self, captured):
+        """The variables the state check compares (see ``_refuse_state_written_from_data``):
+        the model's, and those the traced pass captures from outside the model (a raw
+        ``tf.Variable`` attribute, a metric held by a layer, a global), which every pass then
+        replays too. Seed generators' states are left out: they advance alike for any data
+        and are replayed. Outside variables are recorded for the report (``STATE_ASSUMED``)."""
+        seeds = {id(_handle(v)) for v in seed_states(self.model)}
+        own = [v for v in self.model.variables if id(_handle(v)) not in seeds]
+        known = {id(_handle(v)) for v in own} | seeds
+        outside = [v for v in captured if id(v) not in known]
+        _, _, state, saved = self.replay
+        replayed = {id(_handle(v)) for v in state}
+        for v in outside:
+            if id(v) not in replayed and _size(v) <= _MAX_SAVED_ENTRIES:
+                state.append(v)
+                saved.append(tf.identity(v.read_value()))
+        if outside:
+            _OUTSIDE_STATE[self.model] = sorted({v.name.split(":")[0] for v in outside})
+        return own + outside
+
+    def _refuse_state_written_from_data(self, run_pass, xs, ys, coef, others, watched, start):
+        """Raises if a training-mode pass writes a variable from the data (``watched``, whose
+        values before any pass are ``start``): from the same starting state, a pass on the
+        batch and passes on the batch with one half replaced by copies of the other (rows
+        ``others``: either half, so that a statistic such as a maximum differs wherever it
+        lies) must leave every variable bit for bit the same. Data-independent writes pass:
+        a step counter, a power iteration on the weights (SpectralNormalization normalises
+        its kernel in the forward pass). A variable too large to copy must not be written at
+        all, by any pass of the check."""
         after = []
         for index in [list(range(_num_rows(xs)))] + list(others):
             for v, s in zip(watched, start):
@@ -495,19 +517,31 @@ def seed_states(layer) -> list:
     return [g.state for g in _seed_generators(layer)]
 
 
-def _watched_state(model):
-    """The model's non-trainable variables a forward pass could write (seed generators'
-    states aside: they advance alike for any data and are replayed)."""
-    seeds = seed_states(model)
-    return [v for v in model.non_trainable_variables if not any(v is s for s in seeds)]
+#: model -> names of variables outside the model that its checked pass captured.
+_OUTSIDE_STATE = weakref.WeakKeyDictionary()
+
+
+def outside_state(model) -> list:
+    """Names of the variables outside ``model``'s own (raw ``tf.Variable`` attributes,
+    metrics held by layers, globals) that its training-mode pass read or wrote when it was
+    last checked: state the check saw unchanged on its probe, which the guarantee then
+    assumes is never written from the data."""
+    return list(_OUTSIDE_STATE.get(model, ()))
+
+
+def _handle(v):
+    """The ``tf.Variable`` behind a Keras variable (itself for a ``tf.Variable``)."""
+    value = getattr(v, "value", None)
+    return value if isinstance(value, tf.Variable) else v
 
 
 def _snapshot(v):
     """A copy of ``v``, or for a large one (a frozen table) a fingerprint: no copy of a
     table that no forward pass writes."""
+    value = _handle(v).read_value()
     if _size(v) <= _MAX_SAVED_ENTRIES:
-        return ("copy", tf.identity(v.value))
-    flat = tf.cast(tf.reshape(v.value, [-1]), tf.float64)
+        return ("copy", tf.identity(value))
+    flat = tf.cast(tf.reshape(value, [-1]), tf.float64)
     weights = tf.sin(tf.range(tf.size(flat, out_type=tf.int64), dtype=tf.float64) + 1.0)
     return ("fingerprint", tf.reduce_sum(flat * weights))
 
@@ -529,11 +563,12 @@ def _same(a, b):
 def _state_message(model, variable, n):
     owner = None
     for layer in _internals.all_layers(model):
-        if any(w is variable for w in layer.weights):
+        if any(_handle(w) is _handle(variable) for w in layer.weights) or any(
+                a is variable for a in vars(layer).values()):
             owner = layer  # the deepest layer holding it comes last
     where = (f"Layer {owner.name!r} ({type(owner).__name__})" if owner is not None
              else "The model")
-    name = getattr(variable, "path", None) or variable.name
+    name = getattr(variable, "path", None) or variable.name.split(":")[0]
     stateful = (" A stateful RNN carries its states from batch to batch: use stateful=False."
                 if getattr(owner, "stateful", False) else "")
     kind = "trainable" if variable.trainable else "non-trainable"
@@ -596,6 +631,17 @@ def _compiled_pass(pass_fn, replay, xs, ys):
         outputs, losses, grads = result
         return _Pass(list(outputs), losses, list(grads))
 
+    def variables(x, y, coef):
+        """The variables the traced pass captures (it is traced, not run); [] where it
+        cannot be traced outside a replica context (distributed variables)."""
+        args = (x, tf.constant(coef, tf.float64)) if ys is None else (
+            x, y, tf.constant(coef, tf.float64))
+        try:
+            return list(traced.get_concrete_function(*args).graph.variables)
+        except Exception:  # noqa: BLE001 - the model's own variables are watched anyway
+            return []
+
+    run.variables = variables
     return run
 
 

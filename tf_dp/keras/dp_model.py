@@ -1125,9 +1125,15 @@ def _note_custom_code(model, opt):
     hold non-trainable state (every strategy: the vectorized pass writes it too)."""
     from tf_dp.core import norm_strategies  # noqa: PLC0415
 
-    stateful = custom_state(model)
-    if stateful:
-        model._dp_caveat(_STATE_CAVEAT.format(names=", ".join(stateful)))
+    holders = []
+    if custom_state(model):
+        holders.append(f"custom layers ({', '.join(custom_state(model))}) hold non-trainable "
+                       "variables")
+    if independence.outside_state(model):
+        holders.append(f"the training pass uses variables outside the model "
+                       f"({', '.join(independence.outside_state(model))})")
+    if holders:
+        model._dp_caveat(_STATE_CAVEAT.format(what="; ".join(holders)))
     if isinstance(opt.norm_strategy, norm_strategies.Vectorized):
         return
     names = custom_code(model)
@@ -1150,7 +1156,7 @@ _UNCHECKED_CAVEAT = (
     "guarantee assumes the model does (docs/privacy.md).")
 
 _STATE_CAVEAT = (
-    "STATE_ASSUMED: custom layers ({names}) hold non-trainable variables. tf_dp checked on "
+    "STATE_ASSUMED: {what}. tf_dp checked on "
     "the first batch that a training-mode pass does not write them from the data (such state "
     "would be released with the model without noise); a write that happens only for some "
     "input values passes that check, so the guarantee assumes this code never writes its "

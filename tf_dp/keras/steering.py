@@ -33,14 +33,21 @@ NOTED_PREFIX = "VALIDATION_STEERED"
 
 
 def flatten(callbacks):
-    """A fit's ``callbacks`` argument as a list (None, one callback, a list, a CallbackList)."""
+    """A fit's ``callbacks`` argument as a flat list: None, one callback, any iterable, and
+    ``CallbackList``s at any depth (Keras runs the callbacks inside a nested list too)."""
     if callbacks is None:
         return []
     if isinstance(callbacks, keras.callbacks.CallbackList):
-        return list(callbacks.callbacks)
-    if isinstance(callbacks, keras.callbacks.Callback):
+        callbacks = callbacks.callbacks
+    elif isinstance(callbacks, keras.callbacks.Callback):
         return [callbacks]
-    return list(callbacks)
+    out = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.CallbackList):
+            out.extend(flatten(callback))
+        else:
+            out.append(callback)
+    return out
 
 
 def _is_monitor_callback(callback):
