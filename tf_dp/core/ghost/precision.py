@@ -363,16 +363,21 @@ def _chunked(pairs, chunk):
         # batch smaller than a chunk (fit's Poisson batches) failed to compile with a chunk
         # of `chunk` rows. min(chunk, B) is `chunk` whenever the loop runs.
         width = tf.minimum(chunk, batch)
+        # At least one row and one column: XLA also refuses a scatter into an empty buffer,
+        # and it compiles the loop for an empty batch too (B = 0 is a static shape of its
+        # own; the empty-batch tf.cond around the step does not spare the branch it skips).
+        # The body's sums are padded to the buffer's width, by 0 whenever the loop runs.
+        padded = tf.maximum(width, 1)
 
         def body(i, bufs):
             parts = sums_of(i * width, tf.stack([width, -1, -1]))
-            return i + 1, tuple(tf.tensor_scatter_nd_update(b, [[i]], s[None])
-                                for b, s in zip(bufs, parts))
+            return i + 1, tuple(
+                tf.tensor_scatter_nd_update(b, [[i]], tf.pad(s, [[0, padded - width]])[None])
+                for b, s in zip(bufs, parts))
 
-        # At least one row: XLA also refuses a scatter into an empty buffer.
         _, bufs = tf.while_loop(
             lambda i, _: i < full, body,
-            (0, (tf.zeros(tf.stack([tf.maximum(full, 1), width]), tf.float64),) * k),
+            (0, (tf.zeros(tf.stack([tf.maximum(full, 1), padded]), tf.float64),) * k),
             parallel_iterations=1, maximum_iterations=full)
         done = [tf.reshape(b[:full], [-1]) for b in bufs]
         with tf.control_dependencies(done):  # one chunk's float64 copies at a time
@@ -445,11 +450,14 @@ def _fill_in_order(count, sizes, entry):
                                                    tf.reshape(value, [1])))
         return k + 1, tuple(out)
 
+    # At least one entry each: a scatter into an empty buffer fails to build for a static
+    # empty batch (XLA compiles the loop for B = 0 too, though it runs 0 times).
     _, bufs = tf.while_loop(
         lambda k, _: k < count, body,
-        (tf.constant(0), tuple(tf.zeros(tf.reshape(n, [1]), tf.float64) for n in sizes)),
+        (tf.constant(0), tuple(tf.zeros(tf.reshape(tf.maximum(n, 1), [1]), tf.float64)
+                               for n in sizes)),
         parallel_iterations=1)
-    return bufs
+    return [buf[:n] for buf, n in zip(bufs, sizes)]
 
 
 def _square_norm64(a_i, g_i):
@@ -475,9 +483,14 @@ def masked_exact_outer_norms(items):
     if not items:
         return []
     batch = tf.shape(items[0][0])[0]
+    # One zero row past the batch: XLA compiles the loop body for an empty batch too (B = 0
+    # is a static shape of its own, though the loop then runs 0 times), and refuses a row
+    # slice of an empty axis. Row k < B never reads it.
+    padded = [tuple(tf.pad(t, [[0, 1]] + [[0, 0]] * (t.shape.rank - 1))
+                    for t in (item[0], item[1], item[3])) for item in items]
 
     def entry(k, m):
-        a, g, _, wide = items[m]
+        a, g, wide = padded[m]
         return k, tf.cond(wide[k], lambda: _square_norm64(a[k], g[k]),
                           lambda: tf.zeros([], tf.float64))
 
