@@ -419,12 +419,10 @@ class _Checker:
         all, by any pass of the check."""
         after = []
         for index in [list(range(_num_rows(xs)))] + list(others):
-            for v, s in zip(watched, start):
-                _restore(v, s)
+            # run_pass replays every copied variable first (``_replay``: the model's and the
+            # outside ones ``_watch`` added); ``_preserved_state`` restores them at the end.
             run_pass(_take(xs, index), _take(ys, index), coef[index])
             after.append([_snapshot(v) for v in watched])
-        for v, s in zip(watched, start):
-            _restore(v, s)
         for v, s, first, *rest in zip(watched, start, *after):
             if not all(_same(first, b) for b in rest) or (s[0] != "copy"
                                                           and not _same(s, first)):
@@ -544,12 +542,6 @@ def _snapshot(v):
     flat = tf.cast(tf.reshape(value, [-1]), tf.float64)
     weights = tf.sin(tf.range(tf.size(flat, out_type=tf.int64), dtype=tf.float64) + 1.0)
     return ("fingerprint", tf.reduce_sum(flat * weights))
-
-
-def _restore(v, snap):
-    kind, value = snap
-    if kind == "copy":
-        v.assign(value)
 
 
 def _same(a, b):

@@ -1125,13 +1125,12 @@ def _note_custom_code(model, opt):
     hold non-trainable state (every strategy: the vectorized pass writes it too)."""
     from tf_dp.core import norm_strategies  # noqa: PLC0415
 
-    holders = []
-    if custom_state(model):
-        holders.append(f"custom layers ({', '.join(custom_state(model))}) hold non-trainable "
-                       "variables")
-    if independence.outside_state(model):
+    holders, layers, outside = [], custom_state(model), independence.outside_state(model)
+    if layers:
+        holders.append(f"custom layers ({', '.join(layers)}) hold non-trainable variables")
+    if outside:
         holders.append(f"the training pass uses variables outside the model "
-                       f"({', '.join(independence.outside_state(model))})")
+                       f"({', '.join(outside)})")
     if holders:
         model._dp_caveat(_STATE_CAVEAT.format(what="; ".join(holders)))
     if isinstance(opt.norm_strategy, norm_strategies.Vectorized):
