@@ -243,3 +243,103 @@ def test_a_dense_over_a_sequence_compiles_and_its_ill_conditioned_norms_hold():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "jl", "vmap"])
+def test_poisson_batches_of_zero_and_one_example_compile(strategy):
+    """fit's Poisson batches have a size XLA sees only at run time, and it compiles the step
+    for each one. At q = 1/16 most batches hold 0, 1 or 2 examples: the convolution's
+    per-example gradients (chunk slices whose size XLA inferred from a loop index) failed
+    to compile for B = 1 under exact and JL norms, and the vectorized fallback for B = 0;
+    training stopped at the first such batch (session 19's probe)."""
+    x, y = _data(16)
+    extra = {"jl": {"norm_strategy": tf_dp.JL(2)}, "vmap": {"norm_strategy": "vmap"},
+             "auto": {}}[strategy]
+    model = _compiled(tf_dp.keras.make_private(_cnn()), **extra)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*JL norms cost")
+        history = model.fit(x, y, batch_size=1, epochs=2, verbose=0)
+    assert model.jit_compile is True
+    assert model.accountant.steps == 32
+    assert np.all(np.isfinite(history.history["loss"]))
+
+
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier=0")
+@pytest.mark.parametrize("strategy", ["auto", "vmap"])
+def test_under_xla_a_batch_of_fewer_than_two_rows_gets_exactly_its_own_update(strategy):
+    """Under XLA a batch of fewer than two rows is padded with rows of weight 0: they must
+    add nothing. With sigma = 0 and plain SGD, B = 0 leaves the weights as they were and
+    B = 1 moves them exactly as the same example's step without XLA (a padding row that
+    counted, in the sum or in the divisor, would show)."""
+    rng = np.random.default_rng(5)
+    x, y = _data(3)
+    start = None
+    results = {}
+    for jit in (False, True):
+        for n in (0, 1, 2):
+            keras.utils.set_random_seed(3)
+            model = tf_dp.keras.make_private(_cnn())
+            if start is None:
+                start = [w + rng.normal(size=w.shape).astype("float32") * 0.1
+                         for w in model.get_weights()]
+            model.set_weights(start)
+            extra = {"norm_strategy": "vmap"} if strategy == "vmap" else {}
+            model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=0.5, noise_multiplier=0.0,
+                                                learning_rate=1.0, **extra),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          jit_compile=jit)
+            model.check_before_training(x, y)
+
+            @tf.function(jit_compile=jit, input_signature=[
+                tf.TensorSpec([None, 8, 8, 1]), tf.TensorSpec([None], tf.int64)])
+            def step(xb, yb):
+                return model.train_step((xb, yb))
+
+            step(tf.constant(x[:n]), tf.constant(y[:n], tf.int64))
+            results[jit, n] = model.get_weights()
+    for a, b in zip(results[True, 0], start):
+        np.testing.assert_array_equal(a, b)
+    for n in (1, 2):
+        moved = sum(float(np.sum((a - b) ** 2)) for a, b in zip(results[False, n], start))
+        assert moved > 1e-6  # the step did something to compare
+        for a, b in zip(results[True, n], results[False, n]):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+def test_conv_per_example_gradients_in_several_chunks_under_xla(monkeypatch):
+    """The convolution's per-example kernel gradients under XLA, the batch read as chunks of
+    equal size (padded, the padding cut off): against the same sums without XLA, for
+    batches of 0 to 5 rows in chunks of 2 (the last one short)."""
+    from tf_dp.core import clipped_sum  # noqa: PLC0415
+    from tf_dp.core.ghost.rules import conv as conv_rule  # noqa: PLC0415
+
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(3, 3),
+                              keras.layers.Flatten()])
+    # 2 examples per chunk: 36 output positions x 9 patch entries x 4 bytes each
+    monkeypatch.setattr(conv_rule, "_CHUNK_BYTES", 2 * 36 * 9 * 4)
+
+    def loss(y_true, y_pred, sw):
+        per = tf.reduce_sum(y_pred * y_true, axis=-1)
+        return per if sw is None else per * sw
+
+    x = np.random.default_rng(6).normal(size=(5, 8, 8, 1)).astype("float32")
+    t = np.random.default_rng(7).normal(size=(5, 108)).astype("float32")
+    for strategy, extra in (("ghost", {}),
+                            ("jl", {"num_projections": 2,
+                                    "seed": tf.constant([4, 9], tf.int64)})):
+        got = {}
+        for jit in (False, True):
+            @tf.function(jit_compile=jit, input_signature=[
+                tf.TensorSpec([None, 8, 8, 1]), tf.TensorSpec([None, 108])])
+            def summed(xb, yb):
+                out = clipped_sum(model, xb, yb, tf.ones([tf.shape(xb)[0]]), loss, 0.7,
+                                  norm_strategy=strategy, **extra)
+                return out.grads, out.norms
+
+            got[jit] = [summed(x[:n], t[:n]) for n in range(6)]
+        for n in range(6):
+            (g0, n0), (g1, n1) = got[False][n], got[True][n]
+            assert n1.shape == (n,)
+            np.testing.assert_allclose(n1, n0, rtol=1e-5)
+            for a, b in zip(g1, g0):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -785,6 +785,14 @@ class DPTrainMixin:
             return self._dp_examples_step(x, y, sample_weight, variables, jl_seed, clip, opt)
 
         n = private_step.batch_size_of(x)
+        if not isinstance(n, int) and _internals.compiling_with_xla():
+            # XLA compiles both branches of a tf.cond for the batch's concrete size, B = 0
+            # included, and some paths cannot compile on zero rows (the vectorized
+            # fallback's row slices) or one (its LSTM). A batch of fewer than two rows gets
+            # padding rows of weight 0, as the sampler's padding rows are: they add zero to
+            # the sums and are kept out of the metrics and the clipped count.
+            x, y, sample_weight = _at_least_two_rows(x, y, sample_weight, n)
+            return self._dp_examples_step(x, y, sample_weight, variables, jl_seed, clip, opt)
         if not isinstance(n, int):
             # The metrics need no update on no rows (it would add zeros); the tf.cond traces
             # the other branch, which builds them.
@@ -1378,6 +1386,26 @@ def _max_and_min_over_workers(strategy, n):
 
     every = strategy.experimental_local_results(gather())[0].numpy()
     return int(every.max()), int(every.min())
+
+
+def _at_least_two_rows(x, y, sample_weight, n):
+    """``(x, y, sample_weight)`` with rows of zeros of sample weight 0 appended up to two
+    rows, for XLA: it compiles the step for each concrete batch size, and a batch of zero
+    rows failed on several paths, one of one row in the vectorized fallback's LSTM (a shape
+    error in the vectorized loop; two rows compile). Without sample weights, the real rows
+    get weight 1, which is what no weight means."""
+    if sample_weight is None:
+        sample_weight = tf.ones([n], tf.float32)
+    extra = tf.maximum(2 - n, 0)
+
+    def pad(t):
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
+
+    return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),
+            pad(sample_weight))
 
 
 def _global_count(local):

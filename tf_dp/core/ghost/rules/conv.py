@@ -409,16 +409,27 @@ def _in_chunks(fn, x, g, chunk, width, filters):
     n = (b + chunk - 1) // chunk
     c = (b + tf.maximum(n, 1) - 1) // tf.maximum(n, 1)
     if _internals.compiling_with_xla():
-        parts = tf.TensorArray(g.dtype, size=n, infer_shape=False,
-                               element_shape=tf.TensorShape([None, width, filters]))
+        # The batch padded to n * c rows and read as n chunks of exactly c: slices whose
+        # size XLA must infer from a loop index (x[start:start + c]) failed to compile for
+        # B = 1 (a RET_CHECK in XLA's dynamic-dimension inference), and Poisson batches of
+        # one example are common at small q.
+        # (at least one chunk of one row: XLA compiles the body's read for B = 0 too)
+        n, c = tf.maximum(n, 1), tf.maximum(c, 1)
+
+        def chunks(t):
+            t = tf.pad(t, [[0, n * c - b]] + [[0, 0]] * (t.shape.rank - 1))
+            return tf.reshape(t, tf.concat([[n, c], tf.shape(t)[1:]], 0))
+
+        xs, gs = chunks(x), chunks(g)
+        parts = tf.TensorArray(g.dtype, size=n, element_shape=tf.TensorShape(
+            [None, width, filters]))
 
         def body(i, parts):
-            start = i * c
-            return i + 1, parts.write(i, fn(x[start:start + c], g[start:start + c]))
+            return i + 1, parts.write(i, fn(xs[i], gs[i]))
 
         _, parts = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), parts),
                                  parallel_iterations=1)
-        return parts.concat()
+        return parts.concat()[:b]
 
     # n chunks of c examples each, one (c * width * filters) row per chunk: each chunk is
     # written as one contiguous block; the last one is padded to c examples (at most n - 1
