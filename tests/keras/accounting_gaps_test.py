@@ -215,3 +215,37 @@ def test_a_shared_trunk_counts_both_heads_steps_even_after_a_model_is_gone():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+# ------------------------------------------- a declared data set size that contradicts it
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. training on fixed")
+def test_a_dataset_size_or_rate_that_contradicts_the_input_is_refused():
+    """Session 20 probe: ``fit(x, y, poisson_sampling=False, dataset_size=1_000_000)`` on
+    1000 rows accounted q = batch / 10^6, an epsilon 2,700 times too small (0.001 instead of
+    2.9), and for Poisson-sampled arrays the argument was silently ignored. For arrays N is
+    their length; a PoissonSampler has its own N and q. A contradiction is refused before
+    any step, naming the argument; the right value trains."""
+    from tf_dp.data import PoissonSampler  # noqa: PLC0415
+
+    x, y = _data(100)
+    for kwargs in ({"dataset_size": 1000}, {"dataset_size": 1000, "poisson_sampling": False},
+                   {"dataset_size": 50}, {"sampling_probability": 0.01}):
+        model = _model()
+        with pytest.raises(ValueError, match="dataset_size|sampling_probability"):
+            model.fit(x, y, batch_size=10, epochs=1, verbose=0, **kwargs)
+        assert model.accountant.steps == 0 and not np.any(_phases(model))
+
+    sampler = PoissonSampler(x, y, expected_batch_size=10)
+    for kwargs in ({"dataset_size": 1000}, {"sampling_probability": 0.01}):
+        with pytest.raises(ValueError, match="dataset_size|sampling_probability"):
+            _model().fit(sampler.dataset(), epochs=1, verbose=0, **kwargs)
+
+    model = _model()
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, dataset_size=100)
+    assert _phases(model) == [(pytest.approx(0.1, rel=1e-12), 10)]  # (rounded up: exact_rate)
+    model = _model()
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, dataset_size=100,
+              poisson_sampling=False)
+    assert _phases(model) == [(pytest.approx(0.1, rel=1e-12), 10)]

@@ -343,6 +343,7 @@ class DPTrainMixin:
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
         self._dp_drain()
+        _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling)
         callbacks = steering.flatten(callbacks)
         for caveat in steering.steering_caveats(
                 callbacks, validation_private=bool(validation_split) and validation_data is None,
@@ -893,6 +894,38 @@ _EXACT_SNR_CAVEAT = (
     "EXACT_GRADIENT_SNR: fit(gradient_snr='exact') logged the norm of the un-noised clipped "
     "gradient sum of every step, a statistic of the training data outside epsilon; use "
     "gradient_snr='private' (estimated from the noised update) for private data.")
+
+
+def _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling):
+    """Refuses a ``dataset_size`` or ``sampling_probability`` that tf_dp would not use or
+    that contradicts what it can see. Arrays: their N is their length (a larger
+    ``dataset_size`` gave fixed batches a q, and an epsilon, up to N / len(x) times too
+    small), and tf_dp samples them itself at q = batch_size / N. A PoissonSampler (or a
+    dataset made by one) has its own N and q."""
+    from tf_dp.data.poisson import PoissonSampler, sampler_of  # noqa: PLC0415 (a cycle)
+
+    sampler = x if isinstance(x, PoissonSampler) else (
+        sampler_of(x) if isinstance(x, tf.data.Dataset) else None)
+    if sampler is not None:
+        if dataset_size is not None and dataset_size != sampler.dataset_size:
+            raise ValueError(
+                f"`dataset_size`={dataset_size!r}, but this input's PoissonSampler samples "
+                f"{sampler.dataset_size} examples; leave `dataset_size` out.")
+        if sampling_probability is not None:
+            raise ValueError("`sampling_probability` is not used with a PoissonSampler (it "
+                             "has its own q); leave it out.")
+        return
+    if not _is_array_like(x):
+        return
+    rows = len(tf.nest.flatten(x)[0])
+    if dataset_size is not None and dataset_size != rows:
+        raise ValueError(
+            f"`dataset_size`={dataset_size!r}, but `x` has {rows} rows: for arrays the data "
+            f"set's size is their length; leave `dataset_size` out.")
+    if sampling_probability is not None and poisson_sampling:
+        raise ValueError(
+            "`sampling_probability` is not used for arrays: fit() Poisson-samples them "
+            "itself at q = batch_size / len(x). Set the expected batch with `batch_size`.")
 
 
 def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, sampling_probability):
