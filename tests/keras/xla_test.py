@@ -265,12 +265,15 @@ def test_poisson_batches_of_zero_and_one_example_compile(strategy):
 
 
 @pytest.mark.filterwarnings("ignore:.*noise_multiplier=0")
+@pytest.mark.filterwarnings("ignore:.*XLA_BATCH_SHAPES")
 @pytest.mark.parametrize("strategy", ["auto", "vmap"])
-def test_under_xla_a_batch_of_fewer_than_two_rows_gets_exactly_its_own_update(strategy):
-    """Under XLA a batch of fewer than two rows is padded with rows of weight 0: they must
-    add nothing. With sigma = 0 and plain SGD, B = 0 leaves the weights as they were and
-    B = 1 moves them exactly as the same example's step without XLA (a padding row that
-    counted, in the sum or in the divisor, would show)."""
+def test_under_xla_a_small_batch_gets_exactly_its_own_update(strategy):
+    """A batch of fewer than 16 rows runs padded with rows of weight 0 (private_step.
+    MIN_ROWS; under XLA it also spares the step a batch of 0 or 1 row, which several paths
+    could not compile): they must add nothing. With sigma = 0 and plain SGD, B = 0 leaves
+    the weights as they were and B = 1 or 2 moves them exactly as the same step without
+    XLA (a padding row that counted, in the sum or in the divisor, would show). A traced
+    custom loop under XLA: the report says the batch shapes followed the data."""
     rng = np.random.default_rng(5)
     x, y = _data(3)
     start = None

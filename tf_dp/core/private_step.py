@@ -126,10 +126,14 @@ def non_finite_policy(model):
     return "zero"
 
 
+#: a batch of fewer rows is run padded to this many rows of sample weight 0
+MIN_ROWS = 16
+
+
 @tf.autograph.experimental.do_not_convert
 def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                 variables=None, norm_strategy="auto", num_projections: int = None,
-                seed=None) -> ClippedSum:
+                seed=None, min_rows: int = None) -> ClippedSum:
     """Clips every example's gradient to ``l2_norm_clip`` and sums them.
 
     Args:
@@ -142,6 +146,9 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
         ``JL(r)``) or its name ("auto", "ghost", "vectorized", "jl" with
         ``num_projections``).
       seed: (2,) int seed of the JL directions (JL strategies).
+      min_rows: a smaller batch runs padded to this many rows of weight 0 (default
+        ``MIN_ROWS``; a micro-batch loop passes its physical batch size, which its parts
+        then all have).
 
     Returns a ``ClippedSum`` whose ``grads`` are float64 whatever the variables' dtype: pass
     them to ``DPOptimizerMixin.apply_private``, which adds the float64 noise and rounds once
@@ -151,8 +158,68 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     check_exact_float_arithmetic()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
-    return strategy.clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
-                                variables, seed=seed, non_finite=non_finite_policy(model))
+    n = batch_size_of(x)
+    min_rows = MIN_ROWS if min_rows is None else int(min_rows)
+    x, y, sample_weight = _at_least_min_rows(x, y, sample_weight, n, min_rows)
+    out = strategy.clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                               variables, seed=seed, non_finite=non_finite_policy(model))
+    if isinstance(n, int) and n >= min_rows:
+        return out
+    real = lambda t: None if t is None else t[:n]  # noqa: E731
+    return ClippedSum(grads=out.grads, losses=real(out.losses),
+                      y_pred=tf.nest.map_structure(real, out.y_pred), norms=real(out.norms))
+
+
+
+def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
+    """``(x, y, sample_weight)`` with rows of sample weight 0 appended up to ``MIN_ROWS``
+    rows (nothing appended to a larger batch): copies of the first row, or zeros for an
+    empty batch.
+
+    An example's gradient must not depend on how many other examples its batch holds, yet
+    TensorFlow's kernels round a row differently for different batch sizes: on this CPU,
+    without XLA, at 1 -> 2, 2 -> 3, 3 -> 4 and 9 -> 16 rows (convolutions, LayerNormalization,
+    GroupNormalization, LSTM, GRU, Embedding; bit-identical from 16 rows to 300 in the
+    session 20 sweep), and under XLA at thresholds that follow the matrix shapes (fit then
+    pads its batches to one size). An example crafted so that its gradient is mostly
+    rounding then moves when another example joins the batch, and the sum by more than C
+    (docs/privacy.md, "An example's gradient must not depend on its batch's size"). Below
+    ``MIN_ROWS`` the batch runs at ``MIN_ROWS`` rows; padding rows add nothing to the sums
+    and the caller gets the outputs of the real rows only. This also gives XLA no batch of
+    0 or 1 row, which several paths could not compile.
+    Without sample weights, the real rows get weight 1, which is what no weight means.
+    """
+    if isinstance(n, int) and n >= min_rows:
+        return x, y, sample_weight
+    if sample_weight is None:
+        sample_weight = tf.ones([n], tf.float32)
+    extra = tf.maximum(min_rows - n, 0)
+
+    def pad(t, weight=False):
+        # Copies of the first row (zeros for an empty batch; weight 0 for the weights):
+        # they bring no new value into the batch (no new Embedding id, whose JL directions
+        # are drawn per distinct id). A concatenation, not tf.pad: Grappler fuses a Pad into
+        # a convolution that reads it and drops the batch axis's padding
+        # (rules/conv._padded_rows).
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        if weight:
+            filler = tf.zeros(tf.concat([[extra], tf.shape(t)[1:]], 0), t.dtype)
+        else:
+            zero_row = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+            first = tf.concat([t[:1], zero_row], axis=0)[:1]
+            filler = tf.tile(first, tf.concat([[extra], tf.ones([t.shape.rank - 1],
+                                                                 tf.int32)], 0))
+        return tf.concat([t, filler], axis=0)
+
+    with tf.name_scope(PADDING_SCOPE):
+        return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),
+                pad(sample_weight, weight=True))
+
+
+#: the name scope of the ops that pad a small batch (before the model: no norm)
+PADDING_SCOPE = "tf_dp_min_rows"
 
 
 #: the gradient noise's sub-stream of the optimizer's step seed (randomness.fold_seed)

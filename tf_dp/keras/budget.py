@@ -17,7 +17,8 @@ import weakref
 from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
-VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED")
+VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
+           "XLA_BATCH_SHAPES")
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained

@@ -391,10 +391,12 @@ class DPTrainMixin:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a seeded optimizer already warned
                 if workers is None:
+                    expected_size = (schedule.scaled(k) if schedule is not None
+                                     else (batch_size or 32) * k)
                     sampler = PoissonSampler(x, y, sample_weight=sample_weight,
-                                             expected_batch_size=(
-                                                 schedule.scaled(k) if schedule is not None
-                                                 else (batch_size or 32) * k),
+                                             expected_batch_size=expected_size,
+                                             pad_to=_xla_pad_to(self, schedule, x,
+                                                                expected_size),
                                              seed=opt._next_sampler_seed())
                 else:
                     sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
@@ -504,7 +506,8 @@ class DPTrainMixin:
             validation_data = _on_every_worker(
                 self.distribute_strategy, validation_data,
                 kwargs.pop("validation_batch_size", None) or batch_size or 32)
-        self._dp_set_sampling(expected, q, poisson=poisson)
+        self._dp_set_sampling(expected, q, poisson=poisson,
+                              fixed_shape=_fixed_batch_shape(sampler, data, fit_args))
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose, planned_steps=planned)
         in_flight = (max((opt.mechanism(p) for p in q), key=lambda m: m[1]) if scheduled
                      else opt.mechanism(q))
@@ -612,12 +615,15 @@ class DPTrainMixin:
         """Steps of ``mechanism`` left within ``target_epsilon`` (None: no target)."""
         return self.privacy_budget.remaining_steps(mechanism)
 
-    def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson):
+    def _dp_set_sampling(self, expected_micro_batch_size, sampling_probability, poisson,
+                         fixed_shape=False):
         """The sampling of the steps Keras' train function runs in this fit (or
         train_on_batch). It applies to those steps only: a step run any other way (a custom
         loop over ``train_step``, ``train_function`` called outside fit) is accounted at
-        q = 1 (see ``make_train_function``)."""
-        state = (expected_micro_batch_size, sampling_probability, poisson)
+        q = 1 (see ``make_train_function``). ``fixed_shape``: every batch has the same
+        number of rows (but for a bad event of probability below ``_XLA_PAD_TAIL`` per
+        step), which a step under XLA needs (``_XLA_SHAPES_CAVEAT``)."""
+        state = (expected_micro_batch_size, sampling_probability, poisson, bool(fixed_shape))
         if getattr(self, "_dp_sampling", None) != state:
             # q and the expected batch size are baked into the traced step: retrace on change.
             self.train_function = None
@@ -690,7 +696,11 @@ class DPTrainMixin:
         # The sampling declared by fit / train_on_batch applies only to the steps of Keras'
         # train function they run (``_dp_declared_step``); any other step (a custom loop over
         # train_step, eager or traced, before or after a fit) was not sampled by tf_dp: q = 1.
-        expected, q, _ = _active_sampling(self) or (None, None, False)
+        expected, q, _, fixed_shape = _active_sampling(self) or (None, None, False, False)
+        if _internals.compiling_with_xla() and not fixed_shape:
+            # Traced once per input signature: said then, and kept in the budget's caveats.
+            self._dp_caveat(_XLA_SHAPES_CAVEAT)
+            warnings.warn("tf_dp: " + _XLA_SHAPES_CAVEAT, UserWarning, stacklevel=2)
         phase = None
         if isinstance(q, tuple):
             # A batch-size schedule: every batch comes with the phase it was sampled in.
@@ -786,14 +796,6 @@ class DPTrainMixin:
             return self._dp_examples_step(x, y, sample_weight, variables, jl_seed, clip, opt)
 
         n = private_step.batch_size_of(x)
-        if not isinstance(n, int) and _internals.compiling_with_xla():
-            # XLA compiles both branches of a tf.cond for the batch's concrete size, B = 0
-            # included, and some paths cannot compile on zero rows (the vectorized
-            # fallback's row slices) or one (its LSTM). A batch of fewer than two rows gets
-            # padding rows of weight 0, as the sampler's padding rows are: they add zero to
-            # the sums and are kept out of the metrics and the clipped count.
-            x, y, sample_weight = _at_least_two_rows(x, y, sample_weight, n)
-            return self._dp_examples_step(x, y, sample_weight, variables, jl_seed, clip, opt)
         if not isinstance(n, int):
             # The metrics need no update on no rows (it would add zeros); the tf.cond traces
             # the other branch, which builds them.
@@ -825,7 +827,9 @@ class DPTrainMixin:
         result = loss_scale_lib.scaled_clipped_sum(
             self, x, y, sample_weight, self._dp_loss, opt.clip_spec(variables, clip),
             loss_scale=getattr(self, "_dp_loss_scale", None), variables=variables,
-            norm_strategy=opt.norm_strategy, seed=jl_seed)
+            norm_strategy=opt.norm_strategy, seed=jl_seed,
+            # max_physical_batch_size: every part at the one physical size (a memory cap)
+            min_rows=getattr(self, "_dp_max_rows", None))
         self._dp_update_metrics(x, y, result, sample_weight)
         if opt.adaptive_clipping is None:
             return result.grads, tf.constant(0.0, tf.float64)
@@ -894,6 +898,47 @@ _EXACT_SNR_CAVEAT = (
     "EXACT_GRADIENT_SNR: fit(gradient_snr='exact') logged the norm of the un-noised clipped "
     "gradient sum of every step, a statistic of the training data outside epsilon; use "
     "gradient_snr='private' (estimated from the noised update) for private data.")
+
+
+#: under XLA fit pads its Poisson batches to a size they exceed with at most this
+#: probability per step (a larger batch is padded to the next multiple: another shape)
+_XLA_PAD_TAIL = 1e-12
+
+_XLA_SHAPES_CAVEAT = (
+    "XLA_BATCH_SHAPES: a private step ran under XLA (jit_compile=True) on batches whose "
+    "number of rows follows the data. XLA's CPU kernels round a row differently for "
+    "different batch sizes, so an example crafted to make its gradient mostly rounding "
+    "moves with the number of other examples in its batch, and one example can then move "
+    "the update by more than the clipping norm (measured: 1.48 C). fit() on arrays pads "
+    "its Poisson batches to one size under XLA; for a dataset use "
+    "tf_dp.data.PoissonSampler(..., pad_to=...) with a pad_to its batches exceed with "
+    "probability below 1e-12 (tf_dp.data.poisson.safe_pad_to(N, q, tail=1e-12)), or train "
+    "without jit_compile.")
+
+
+def _xla_pad_to(model, schedule, x, expected_size):
+    """The padded batch size of fit's own Poisson batches: under XLA, one size they exceed
+    with probability at most ``_XLA_PAD_TAIL`` (``_XLA_SHAPES_CAVEAT``); None otherwise
+    (and with a batch-size schedule, whose phases have sizes of their own)."""
+    if not model.jit_compile or schedule is not None:
+        return None
+    from tf_dp.data.poisson import safe_pad_to  # noqa: PLC0415 (a cycle)
+
+    n = len(tf.nest.flatten(x)[0])
+    return safe_pad_to(n, min(1.0, expected_size / n), tail=_XLA_PAD_TAIL)
+
+
+def _fixed_batch_shape(sampler, data, fit_args) -> bool:
+    """Whether every batch of this fit has the same number of rows, but for a bad event
+    of probability at most ``_XLA_PAD_TAIL`` per step: a PoissonSampler's padded batches
+    (its own, or a dataset made by it with nothing between that changes the batch)."""
+    if sampler is None or sampler.pad_to is None or sampler.schedule is not None:
+        return False
+    from scipy import stats  # noqa: PLC0415
+
+    tail = stats.binom.sf(sampler.pad_to, int(sampler.dataset_size),
+                          float(sampler.sampling_probability))
+    return bool(tail <= _XLA_PAD_TAIL)
 
 
 def _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling):
@@ -1419,26 +1464,6 @@ def _max_and_min_over_workers(strategy, n):
 
     every = strategy.experimental_local_results(gather())[0].numpy()
     return int(every.max()), int(every.min())
-
-
-def _at_least_two_rows(x, y, sample_weight, n):
-    """``(x, y, sample_weight)`` with rows of zeros of sample weight 0 appended up to two
-    rows, for XLA: it compiles the step for each concrete batch size, and a batch of zero
-    rows failed on several paths, one of one row in the vectorized fallback's LSTM (a shape
-    error in the vectorized loop; two rows compile). Without sample weights, the real rows
-    get weight 1, which is what no weight means."""
-    if sample_weight is None:
-        sample_weight = tf.ones([n], tf.float32)
-    extra = tf.maximum(2 - n, 0)
-
-    def pad(t):
-        if t is None:
-            return None
-        t = tf.convert_to_tensor(t)
-        return tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
-
-    return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),
-            pad(sample_weight))
 
 
 def _global_count(local):

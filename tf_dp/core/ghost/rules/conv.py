@@ -388,41 +388,50 @@ def _probe_grouped(dtype) -> bool:
     return True
 
 
+#: the most examples in one chunk of ``_in_chunks`` (every chunk has exactly this many rows,
+#: or the byte budget's number if smaller: a batch smaller than a chunk is padded to one)
+_MAX_CHUNK = 64
+
+
 def _in_chunks(fn, x, g, chunk, width, filters):
-    """``fn(x, g)`` (B, width, filters) over chunks of at most ``chunk`` examples, one after
-    the other: n = ceil(B / chunk) chunks of c = ceil(B / n) examples, the last one shorter
-    (the inputs are sliced, not copied whole). Works for an unknown batch and for B = 0.
+    """``fn(x, g)`` (B, width, filters) over chunks of ``c = min(chunk, _MAX_CHUNK)``
+    examples, one after the other: n = ceil(B / c) chunks, the last one padded with zero
+    rows to c (their results are cut off). Works for an unknown batch and for B = 0.
+
+    EVERY chunk has c rows, whatever B: an example's gradient must not depend on how many
+    other examples the batch holds. With chunks of ceil(B / n) rows, the grouped filter
+    gradient ran with a number of groups that followed B, and oneDNN rounds a group's
+    result differently for 1 group than for 2: an example whose gradient is mostly rounding
+    (two uses of a shared convolution that cancel) then moved by a third of its norm when
+    one other example joined the batch, and the clipped sum by 1.14 C (session 20 audit;
+    ``tests/privacy/batch_invariance_test.py``).
 
     A plain ``tf.while_loop`` (``tf.map_fn`` over chunk indices took a third more graph ops
     and time to trace and optimise: issue 14, the step's first call) that writes each chunk
-    into its block of ONE (B, width, filters) buffer, in place (``_write_block``): the
-    result is that buffer, with no second copy. (Chunks kept in a TensorArray and concatenated held
-    both at the step's memory peak, the tutorial CNN's conv2: 32 of 79 MiB at batch 1024,
-    docs/scaling.md §7; reading the chunks one by one instead cost the JL steps 5-15 % in
-    loop overhead, docs/step_time.md session 11.) Under XLA, which has no in-place
-    update and plans its own buffers, a TensorArray concatenated at the end.
+    into its block of ONE (n * c, width, filters) buffer, in place (``_write_block``): the
+    result is a prefix of that buffer, with no second copy. (Chunks kept in a TensorArray
+    and concatenated held both at the step's memory peak, the tutorial CNN's conv2: 32 of
+    79 MiB at batch 1024, docs/scaling.md §7; reading the chunks one by one instead cost
+    the JL steps 5-15 % in loop overhead, docs/step_time.md session 11.) Under XLA, which
+    has no in-place update and plans its own buffers, a TensorArray concatenated at the
+    end, the batch read as rows of an (n, c, ...) reshape (slices whose size XLA inferred
+    from the loop index failed to compile for B = 1).
     """
-    batch = x.shape[0]
-    if isinstance(batch, int) and batch <= chunk:
-        return fn(x, g)
+    c = max(1, min(int(chunk), _MAX_CHUNK))
+    if isinstance(x.shape[0], int) and x.shape[0] <= c:
+        # A static batch within one chunk: that chunk, padded to c rows, without a loop.
+        return fn(_padded_rows(x, c), _padded_rows(g, c))[:x.shape[0]]
     b = tf.shape(x)[0]
-    n = (b + chunk - 1) // chunk
-    c = (b + tf.maximum(n, 1) - 1) // tf.maximum(n, 1)
+    # (at least one chunk: XLA compiles the loop body's read for B = 0 too)
+    n = tf.maximum((b + c - 1) // c, 1)
     if _internals.compiling_with_xla():
-        # The batch padded to n * c rows and read as n chunks of exactly c: slices whose
-        # size XLA must infer from a loop index (x[start:start + c]) failed to compile for
-        # B = 1 (a RET_CHECK in XLA's dynamic-dimension inference), and Poisson batches of
-        # one example are common at small q.
-        # (at least one chunk of one row: XLA compiles the body's read for B = 0 too)
-        n, c = tf.maximum(n, 1), tf.maximum(c, 1)
-
         def chunks(t):
-            t = tf.pad(t, [[0, n * c - b]] + [[0, 0]] * (t.shape.rank - 1))
+            t = _padded_rows(t, n * c)
             return tf.reshape(t, tf.concat([[n, c], tf.shape(t)[1:]], 0))
 
         xs, gs = chunks(x), chunks(g)
         parts = tf.TensorArray(g.dtype, size=n, element_shape=tf.TensorShape(
-            [None, width, filters]))
+            [c, width, filters]))
 
         def body(i, parts):
             return i + 1, parts.write(i, fn(xs[i], gs[i]))
@@ -431,24 +440,35 @@ def _in_chunks(fn, x, g, chunk, width, filters):
                                  parallel_iterations=1)
         return parts.concat()[:b]
 
-    # n chunks of c examples each, one (c * width * filters) row per chunk: each chunk is
-    # written as one contiguous block; the last one is padded to c examples (at most n - 1
-    # rows beyond the batch, sliced off at the end: a prefix, which TensorFlow's slice
-    # returns as a view). Allocated once g exists (at the step's start it would be held
-    # through the backward pass).
+    # One (c * width * filters) row per chunk, each written as one contiguous block; rows
+    # beyond the batch (at most c - 1) are sliced off at the end: a prefix, which
+    # TensorFlow's slice returns as a view. Allocated once g exists (at the step's start it
+    # would be held through the backward pass).
     block = width * filters
     with tf.control_dependencies([g]):
         out = tf.raw_ops.Empty(shape=tf.stack([n, c * block]), dtype=g.dtype)
 
+    def padded(t, start):
+        return tf.ensure_shape(_padded_rows(t[start:start + c], c), [c] + t.shape[1:].as_list())
+
     def body(i, out):
         start = i * c
-        part = fn(x[start:start + c], g[start:start + c])
-        part = tf.pad(tf.reshape(part, [-1, block]), [[0, c - tf.shape(part)[0]], [0, 0]])
+        part = fn(padded(x, start), padded(g, start))
         return i + 1, _write_block(out, i, tf.reshape(part, [1, c * block]))
 
     _, out = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), out),
                            parallel_iterations=1)
     return tf.reshape(out, [-1, width, filters])[:b]
+
+
+def _padded_rows(t, rows):
+    """``t`` with rows of zeros appended up to ``rows`` rows (``t`` has at most that many).
+
+    A concatenation, not ``tf.pad``: Grappler fuses a Pad into the convolution that reads
+    it as the convolution's own spatial padding and drops the batch axis's (TF 2.21,
+    oneDNN: the patches of a batch padded from 7 to 64 rows came out with 7)."""
+    zeros = tf.zeros(tf.concat([[rows - tf.shape(t)[0]], tf.shape(t)[1:]], 0), t.dtype)
+    return tf.concat([t, zeros], axis=0)
 
 
 def _write_block(buffer, i, block):

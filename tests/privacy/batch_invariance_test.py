@@ -1,0 +1,273 @@
+"""An example's clipped gradient must be a function of that example alone: not of how many
+other examples its batch holds.
+
+Session 20 audit: the per-example kernel gradient of a convolution was formed in chunks of
+ceil(B / n) examples, as ONE grouped filter gradient whose number of groups followed B, and
+oneDNN rounds a group's result differently for 1 group than for 2. For an ordinary example
+that is an ulp. For a crafted one whose gradient is mostly rounding (two uses of a shared
+convolution on inputs an ulp apart at 1e9, cancelling) it moved the gradient by a third of
+its norm, so ONE other example joining the batch moved the clipped sum by 1.14 C, beyond
+the sensitivity the accountant assumes. Every chunk now has the same number of rows.
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dp.core import clipped_sum
+
+L = keras.layers
+SHAPE = (5, 5, 2)
+
+
+def _shared_conv():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input(SHAPE), keras.Input(SHAPE)
+    conv = L.Conv2D(3, 3, padding="same")
+    out = L.Dense(1)(L.GlobalAveragePooling2D()(L.Subtract()([conv(a), conv(b)])))
+    return keras.Model([a, b], out)
+
+
+def _loss(y_true, y_pred, sw):
+    per = tf.reduce_sum(y_pred, axis=-1)
+    return per if sw is None else per * sw
+
+
+def _runner(model, clip, strategy):
+    spec = tf.TensorSpec((None,) + SHAPE, tf.float32)
+    extra = ({"num_projections": 2, "seed": tf.constant([3, 5], tf.int64)}
+             if strategy == "jl" else {})
+
+    @tf.function(input_signature=[spec, spec, tf.TensorSpec([None], tf.float32)])
+    def summed(a, b, weights):
+        n = tf.shape(a)[0]
+        out = clipped_sum(model, [a, b], tf.zeros([n, 1]), weights, _loss, clip,
+                          norm_strategy=strategy, **extra)
+        return tf.concat([tf.reshape(tf.cast(g, tf.float64), [-1]) for g in out.grads], 0)
+
+    return lambda a, b, w: summed(tf.constant(a), tf.constant(b), tf.constant(w)).numpy()
+
+
+def _crafted(rng):
+    """Two inputs an ulp apart at 1e9: the shared convolution's two uses cancel and the
+    example's gradient is mostly rounding."""
+    u = (1e9 * rng.normal(size=(1,) + SHAPE)).astype(np.float32)
+    return u, np.nextafter(u, np.float32(np.inf)).astype(np.float32)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "jl"])
+def test_a_crafted_examples_gradient_is_the_same_in_every_batch_size(strategy):
+    """The crafted example's own gradient (weight 1, the others weight 0, nothing clipped)
+    is bit-identical for B = 1 .. 70 (70: two chunks)."""
+    model = _shared_conv()
+    summed = _runner(model, 1e30, strategy)
+    rng = np.random.default_rng(1)
+    e = _crafted(rng)
+    others = [rng.normal(size=(70,) + SHAPE).astype(np.float32) for _ in range(2)]
+    reference = None
+    for n in (1, 2, 3, 5, 8, 17, 33, 64, 65, 70):
+        a, b = (np.concatenate([e[k], others[k][:n - 1]]) for k in range(2))
+        got = summed(a, b, np.eye(1, n, dtype=np.float32)[0])
+        if reference is None:
+            reference = got
+            assert np.linalg.norm(reference) > 1.0  # mostly rounding, and not small
+        np.testing.assert_array_equal(got, reference, err_msg=f"B = {n}")
+
+
+def test_one_added_example_moves_the_sum_by_at_most_c_whatever_the_batch_size():
+    """||S(D + z) - S(D)|| <= C for |D| = 1 .. 9, D holding two crafted examples (the
+    audit's attack: 1.03-1.14 C at |D| = 1 -> 2 before)."""
+    clip = 1e-2
+    model = _shared_conv()
+    summed = _runner(model, clip, "ghost")
+    rng = np.random.default_rng(2)
+    worst = 0.0
+    for _ in range(3):
+        crafted = [_crafted(rng) for _ in range(2)]
+        others = [rng.normal(size=(10,) + SHAPE).astype(np.float32) for _ in range(2)]
+        for m in range(1, 10):
+            d = [np.concatenate([c[k] for c in crafted] + [others[k][:m - 1]])[:max(m, 1)]
+                 for k in range(2)]
+            dz = [np.concatenate([d[k], others[k][9:10]]) for k in range(2)]
+            without = summed(*d, np.ones(len(d[0]), np.float32))
+            with_z = summed(*dz, np.ones(len(dz[0]), np.float32))
+            worst = max(worst, np.linalg.norm(with_z - without) / clip)
+    assert worst <= 1.0 + 1e-6, worst
+
+
+def _single_input_models():
+    return {
+        "strided conv": (lambda: [keras.Input((28, 28, 1)),
+                                  L.Conv2D(4, 8, strides=2, padding="same"),
+                                  L.Conv2D(4, 4, strides=2), L.Flatten(), L.Dense(3)],
+                         lambda rng, n: rng.normal(size=(n, 28, 28, 1))),
+        "layer norm": (lambda: [keras.Input((6,)), L.Dense(8), L.LayerNormalization(),
+                                L.Dense(3)], lambda rng, n: rng.normal(size=(n, 6))),
+        "group norm": (lambda: [keras.Input((4, 4, 4)), L.GroupNormalization(2),
+                                L.Flatten(), L.Dense(3)],
+                       lambda rng, n: rng.normal(size=(n, 4, 4, 4))),
+        "lstm": (lambda: [keras.Input((6, 3)), L.LSTM(5), L.Dense(3)],
+                 lambda rng, n: rng.normal(size=(n, 6, 3))),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_single_input_models()))
+@pytest.mark.parametrize("strategy", ["ghost", "vmap"])
+def test_tensorflows_own_kernels_give_an_example_the_same_gradient_in_every_batch(
+        name, strategy):
+    """Without XLA, TensorFlow's kernels themselves round a row differently for 1, 2, 3 or
+    fewer than 16 rows (session 20 sweep: convolutions, LayerNormalization,
+    GroupNormalization, LSTM; plain tape gradients show it). Batches below 16 rows run
+    padded to 16: an example's gradient (one-hot weight, nothing clipped) is bit-identical
+    for every batch size measured, 1 to 70."""
+    layers, data = _single_input_models()[name]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(layers())
+    shape = model.input_shape[1:]
+    spec = tf.TensorSpec((None,) + tuple(shape), tf.float32)
+
+    @tf.function(input_signature=[spec, tf.TensorSpec([None])])
+    def summed(x, weights):
+        out = clipped_sum(model, x, tf.zeros([tf.shape(x)[0], 3]), weights, _loss, 1e30,
+                          norm_strategy=strategy)
+        return (tf.concat([tf.reshape(tf.cast(g, tf.float64), [-1]) for g in out.grads], 0),
+                out.norms)
+
+    rng = np.random.default_rng(4)
+    x = data(rng, 70).astype(np.float32)
+    reference = None
+    for n in (1, 2, 3, 4, 7, 9, 15, 16, 17, 33, 70):
+        grads, norms = summed(tf.constant(x[:n]), tf.constant(np.eye(1, n, dtype=np.float32)[0]))
+        assert norms.shape == (n,)
+        if reference is None:
+            reference = grads.numpy()
+        np.testing.assert_array_equal(grads.numpy(), reference, err_msg=f"B = {n}")
+
+
+# ------------------------------------------------------------------------------- under XLA
+
+
+def _shared_dense():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((64,)), keras.Input((64,))
+    dense = L.Dense(32)
+    return keras.Model([a, b], L.Dense(1)(L.Subtract()([dense(a), dense(b)])))
+
+
+def test_under_xla_a_fixed_batch_shape_keeps_one_example_within_c():
+    """XLA's CPU matmul rounds a row differently below and above a batch size that follows
+    the matrix shape (64 x 32: 51 rows; 6 x 4: 8, the audit's case; a canary: if XLA stops
+    doing so, the first assertion tells). So under XLA, with the batch size following the
+    data, a crafted example's gradient moves when one other example joins, and the sum by
+    more than C (audit: up to 1.48 C). fit pads its Poisson batches to one size under XLA;
+    with the batch padded to 64 rows of weight 0, D (50 examples) and D + z (51) run with
+    the same shape and z moves the sum by at most C."""
+    clip = 1e-2
+    model = _shared_dense()
+    spec = tf.TensorSpec([None, 64], tf.float32)
+
+    @tf.function(jit_compile=True, input_signature=[spec, spec, tf.TensorSpec([None])])
+    def summed(a, b, weights):
+        n = tf.shape(a)[0]
+        out = clipped_sum(model, [a, b], tf.zeros([n, 1]), weights, _loss, clip,
+                          norm_strategy="auto")
+        return tf.concat([tf.reshape(tf.cast(g, tf.float64), [-1]) for g in out.grads], 0)
+
+    def run(d, pad_to=None):
+        rows = len(d[0])
+        weights = np.ones(rows, np.float32)
+        if pad_to is not None:
+            d = [np.concatenate([t, np.zeros((pad_to - rows, 64), np.float32)]) for t in d]
+            weights = np.concatenate([weights, np.zeros(pad_to - rows, np.float32)])
+        return summed(tf.constant(d[0]), tf.constant(d[1]), tf.constant(weights)).numpy()
+
+    rng = np.random.default_rng(3)
+    moved = {None: 0.0, 64: 0.0}
+    for _ in range(10):
+        u = (1e9 * rng.normal(size=(1, 64))).astype(np.float32)
+        crafted = [u, np.nextafter(u, np.float32(np.inf)).astype(np.float32)]
+        others = [rng.normal(size=(50, 64)).astype(np.float32) for _ in range(2)]
+        d = [np.concatenate([crafted[k], others[k][:49]]) for k in range(2)]
+        dz = [np.concatenate([d[k], others[k][49:]]) for k in range(2)]
+        for pad_to in moved:
+            moved[pad_to] = max(moved[pad_to],
+                                np.linalg.norm(run(dz, pad_to) - run(d, pad_to)) / clip)
+    assert moved[None] > 1.0 + 1e-3, moved  # the canary: XLA's rounding follows B
+    assert moved[64] <= 1.0 + 1e-6, moved
+
+
+def _cnn():
+    return keras.Sequential([keras.Input((6, 6, 1)), L.Conv2D(2, 3), L.Flatten(), L.Dense(3)])
+
+
+def _caveats(model):
+    return [c.split(":")[0] for c in model.privacy_report()["caveats"]]
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. training on fixed")
+def test_fit_under_xla_pads_its_batches_to_one_size_and_says_when_it_cannot(monkeypatch):
+    """fit on arrays under jit_compile=True draws its Poisson batches padded to one size
+    (exceeded with probability below 1e-12 per step) and keeps the guarantee; a step under
+    XLA on batches whose size follows the data (train_on_batch, a dataset of fixed
+    batches, a traced custom loop) is warned about and voids the report."""
+    import tf_dp  # noqa: PLC0415
+    from tf_dp.data import poisson  # noqa: PLC0415
+
+    pads = []
+    dataset = poisson.PoissonSampler.dataset
+    monkeypatch.setattr(poisson.PoissonSampler, "dataset",
+                        lambda self, *a, **k: pads.append(self.pad_to) or dataset(self, *a, **k))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6, 6, 1)).astype(np.float32)
+    y = rng.integers(0, 3, 64)
+
+    def compiled(jit):
+        model = tf_dp.keras.make_private(_cnn())
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=jit)
+        return model
+
+    import warnings  # noqa: PLC0415
+
+    model = compiled(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*XLA_BATCH_SHAPES")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    from scipy import stats  # noqa: PLC0415
+
+    assert len(pads) == 1 and pads[0] is not None
+    assert stats.binom.sf(pads[0], 64, 8 / 64) <= 1e-12 < stats.binom.sf(pads[0] - 1, 64, 8 / 64)
+    assert model.jit_compile and model.privacy_report()["guarantee_holds"]
+    assert "XLA_BATCH_SHAPES" not in _caveats(model)
+
+    plain = compiled(False)
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert pads[-1] is None  # without XLA: no padding (and no cost)
+
+    for run in (lambda m: m.train_on_batch(x[:5], y[:5]),
+                lambda m: m.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+                                dataset_size=64, epochs=1, verbose=0)):
+        model = compiled(True)
+        with pytest.warns(UserWarning, match="XLA_BATCH_SHAPES"):
+            run(model)
+        assert "XLA_BATCH_SHAPES" in _caveats(model)
+        assert not model.privacy_report()["guarantee_holds"]
+
+    model = compiled(False)
+    model.check_before_training(x[:8], y[:8])
+
+    @tf.function(jit_compile=True)
+    def custom_loop_step(xb, yb):
+        return model.train_step((xb, yb))
+
+    with pytest.warns(UserWarning, match="XLA_BATCH_SHAPES"):
+        custom_loop_step(tf.constant(x[:8]), tf.constant(y[:8]))
+    assert "XLA_BATCH_SHAPES" in _caveats(model)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
