@@ -10,9 +10,11 @@ import pytest
 # Under Bazel this file is a symlink in the runfiles tree; the real tests/ folder is beside
 # its target, and holds the other test files (which are not in this target's runfiles).
 _TESTS = pathlib.Path(os.path.realpath(__file__)).parent
+# ... at the end: a test appended after the block still ran (pytest imports the whole file),
+# but the layout hid it from a reader who stops at the standalone block.
 _MAIN = re.compile(
-    r"^if __name__ == [\"']__main__[\"']:\s*\n\s+sys\.exit\(pytest\.main\(\[__file__", re.M
-)
+    r"^if __name__ == [\"']__main__[\"']:\s*\n\s+sys\.exit\(pytest\.main\(\[__file__[^\n]*\)\)\s*\Z",
+    re.M)
 
 
 def _test_files():

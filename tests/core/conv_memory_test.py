@@ -544,9 +544,6 @@ def test_a_later_layers_buffer_does_not_wait_for_an_earlier_layers_gradient():
     assert sorted(waits) == [False, True], waits  # the first layer's own buffer waits
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
-
 
 def _direct_cnn():
     """Two convolutions whose kernels take the chunked, in-place path (T^2 > d*p, p <= T:
@@ -597,3 +594,7 @@ def test_in_place_buffers_inside_the_micro_batch_loop_give_the_one_batch_step(pa
     assert moved > 1e-3
     for got, want in zip(runs[1], runs[0]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -681,9 +681,6 @@ def test_a_list_of_inputs_is_sampled_and_trains_a_multi_input_model():
     assert model.privacy_report()["steps"] == 5
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
-
 
 def test_what_the_accounting_reads_cannot_change_after_the_sampler_is_made():
     # Session 13 audit: q lowered after dataset() was accepted; fit accounted the new q
@@ -701,3 +698,7 @@ def test_what_the_accounting_reads_cannot_change_after_the_sampler_is_made():
         with pytest.raises(AttributeError, match=f"{name}.*dataset"):
             setattr(sampler, name, None)
     sampler.steps_per_epoch = 7  # not read by the sampling or the accounting
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -213,9 +213,6 @@ def test_a_shared_trunk_counts_both_heads_steps_even_after_a_model_is_gone():
     assert _phases(b) == [(1.0, 4)]
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
-
 
 # ------------------------------------------- a declared data set size that contradicts it
 
@@ -249,3 +246,7 @@ def test_a_dataset_size_or_rate_that_contradicts_the_input_is_refused():
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, dataset_size=100,
               poisson_sampling=False)
     assert _phases(model) == [(pytest.approx(0.1, rel=1e-12), 10)]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

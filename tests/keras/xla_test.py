@@ -241,8 +241,29 @@ def test_a_dense_over_a_sequence_compiles_and_its_ill_conditioned_norms_hold():
     assert model.jit_compile is True and np.isfinite(history.history["loss"][-1])
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier=0")
+def test_class_weight_under_xla_weights_the_padded_batches():
+    """Under XLA fit pads its Poisson batches (weight 0 on padding rows), and Keras refuses
+    class_weight next to sample weights: the class weights become the sample weights. With
+    sigma = 0, weights of 0 for every class leave the model as it was; weights of 1 move
+    it."""
+    x, y = _data(64)
+    moved = {}
+    for weight in (0.0, 1.0):
+        keras.utils.set_random_seed(2)
+        model = tf_dp.keras.make_private(_cnn())
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                            learning_rate=1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+        before = model.get_weights()
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  class_weight={c: weight for c in range(10)})
+        assert model.jit_compile is True
+        moved[weight] = sum(float(np.sum((a - b) ** 2))
+                            for a, b in zip(model.get_weights(), before))
+    assert moved[0.0] == 0.0 and moved[1.0] > 1e-6, moved
+
 
 
 @pytest.mark.parametrize("strategy", ["auto", "jl", "vmap"])
@@ -346,3 +367,7 @@ def test_conv_per_example_gradients_in_several_chunks_under_xla(monkeypatch):
             np.testing.assert_allclose(n1, n0, rtol=1e-5)
             for a, b in zip(g1, g0):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -393,11 +393,15 @@ class DPTrainMixin:
                 if workers is None:
                     expected_size = (schedule.scaled(k) if schedule is not None
                                      else (batch_size or 32) * k)
+                    pad_to = _xla_pad_to(self, schedule, x, expected_size)
+                    if (pad_to is not None and sample_weight is None
+                            and kwargs.get("class_weight") is not None):
+                        # Padded batches carry sample weights (0 on padding rows), which
+                        # Keras refuses next to class_weight: the class weights become them.
+                        sample_weight = _class_weights(y, kwargs.pop("class_weight"))
                     sampler = PoissonSampler(x, y, sample_weight=sample_weight,
                                              expected_batch_size=expected_size,
-                                             pad_to=_xla_pad_to(self, schedule, x,
-                                                                expected_size),
-                                             seed=opt._next_sampler_seed())
+                                             pad_to=pad_to, seed=opt._next_sampler_seed())
                 else:
                     sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
                                                     sample_weight,
@@ -926,6 +930,17 @@ def _xla_pad_to(model, schedule, x, expected_size):
 
     n = len(tf.nest.flatten(x)[0])
     return safe_pad_to(n, min(1.0, expected_size / n), tail=_XLA_PAD_TAIL)
+
+
+def _class_weights(y, class_weight):
+    """Per-example weights of ``class_weight`` (a dict class -> weight) for labels ``y``, as
+    Keras forms them: one-hot rows by their argmax, other labels rounded; absent classes 1."""
+    labels = np.asarray(keras.ops.convert_to_numpy(y))
+    if labels.ndim > 1:
+        labels = (np.argmax(labels, axis=-1) if labels.shape[-1] != 1
+                  else np.squeeze(labels, axis=-1))
+    labels = np.round(labels).astype(np.int64)
+    return np.array([float(class_weight.get(int(c), 1.0)) for c in labels], np.float32)
 
 
 def _fixed_batch_shape(sampler, data, fit_args) -> bool:
