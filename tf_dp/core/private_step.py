@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_dp import _internals
 from tf_dp.core import gaussian, norm_strategies, randomness
 from tf_dp.core.ghost.factors import consecutive_groups
+from tf_dp.core.ghost.terms import padded_rows
 from tf_dp.core.norm_strategies import (  # noqa: F401
     ClippedSum, batch_size_of, clip_factors, real_rows)
 
@@ -170,9 +171,8 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                       y_pred=tf.nest.map_structure(real, out.y_pred), norms=real(out.norms))
 
 
-
 def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
-    """``(x, y, sample_weight)`` with rows of sample weight 0 appended up to ``MIN_ROWS``
+    """``(x, y, sample_weight)`` with rows of sample weight 0 appended up to ``min_rows``
     rows (nothing appended to a larger batch): copies of the first row, or zeros for an
     empty batch.
 
@@ -184,7 +184,7 @@ def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
     pads its batches to one size). An example crafted so that its gradient is mostly
     rounding then moves when another example joins the batch, and the sum by more than C
     (docs/privacy.md, "An example's gradient must not depend on its batch's size"). Below
-    ``MIN_ROWS`` the batch runs at ``MIN_ROWS`` rows; padding rows add nothing to the sums
+    ``min_rows`` the batch runs at ``min_rows`` rows; padding rows add nothing to the sums
     and the caller gets the outputs of the real rows only. This also gives XLA no batch of
     0 or 1 row, which several paths could not compile.
     Without sample weights, the real rows get weight 1, which is what no weight means.
@@ -193,25 +193,19 @@ def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
         return x, y, sample_weight
     if sample_weight is None:
         sample_weight = tf.ones([n], tf.float32)
-    extra = tf.maximum(min_rows - n, 0)
+    rows = tf.maximum(min_rows, n)
 
     def pad(t, weight=False):
         # Copies of the first row (zeros for an empty batch; weight 0 for the weights):
         # they bring no new value into the batch (no new Embedding id, whose JL directions
-        # are drawn per distinct id). A concatenation, not tf.pad: Grappler fuses a Pad into
-        # a convolution that reads it and drops the batch axis's padding
-        # (rules/conv._padded_rows).
+        # are drawn per distinct id).
         if t is None:
             return None
         t = tf.convert_to_tensor(t)
         if weight:
-            filler = tf.zeros(tf.concat([[extra], tf.shape(t)[1:]], 0), t.dtype)
-        else:
-            zero_row = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
-            first = tf.concat([t[:1], zero_row], axis=0)[:1]
-            filler = tf.tile(first, tf.concat([[extra], tf.ones([t.shape.rank - 1],
-                                                                 tf.int32)], 0))
-        return tf.concat([t, filler], axis=0)
+            return padded_rows(t, rows)
+        zero_row = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+        return padded_rows(t, rows, filler=tf.concat([t[:1], zero_row], axis=0)[:1])
 
     with tf.name_scope(PADDING_SCOPE):
         return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),

@@ -511,7 +511,7 @@ class DPTrainMixin:
                 self.distribute_strategy, validation_data,
                 kwargs.pop("validation_batch_size", None) or batch_size or 32)
         self._dp_set_sampling(expected, q, poisson=poisson,
-                              fixed_shape=_fixed_batch_shape(sampler, data, fit_args))
+                              fixed_shape=_fixed_batch_shape(sampler))
         privacy = PrivacyCallback(max_steps=budget, verbose=verbose, planned_steps=planned)
         in_flight = (max((opt.mechanism(p) for p in q), key=lambda m: m[1]) if scheduled
                      else opt.mechanism(q))
@@ -943,7 +943,7 @@ def _class_weights(y, class_weight):
     return np.array([float(class_weight.get(int(c), 1.0)) for c in labels], np.float32)
 
 
-def _fixed_batch_shape(sampler, data, fit_args) -> bool:
+def _fixed_batch_shape(sampler) -> bool:
     """Whether every batch of this fit has the same number of rows, but for a bad event
     of probability at most ``_XLA_PAD_TAIL`` per step: a PoissonSampler's padded batches
     (its own, or a dataset made by it with nothing between that changes the batch)."""

@@ -21,6 +21,22 @@ from typing import Callable
 import tensorflow as tf
 
 
+def padded_rows(t, rows, filler=None):
+    """``t`` with rows appended up to ``rows`` rows (``t`` has at most that many): copies of
+    ``filler`` (one row, (1, ...)), or zeros.
+
+    A concatenation, not ``tf.pad``: Grappler fuses a Pad into the convolution that reads
+    it as the convolution's own spatial padding and silently drops the batch axis's (TF
+    2.21, oneDNN: the patches of a batch padded from 7 to 64 rows came out with 7)."""
+    extra = tf.concat([[rows - tf.shape(t)[0]], tf.shape(t)[1:]], 0)
+    if filler is None:
+        fill = tf.zeros(extra, t.dtype)
+    else:
+        fill = tf.tile(filler, tf.concat([extra[:1], tf.ones([t.shape.rank - 1], tf.int32)],
+                                         0))
+    return tf.concat([t, fill], axis=0)
+
+
 def rows(t, last=None):
     """Reshapes (B, ..., d) to (B, T, d) with ``last`` = d (default: t's last axis).
 

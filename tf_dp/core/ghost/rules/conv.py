@@ -42,7 +42,7 @@ from tf_dp import _internals
 from tf_dp.core.ghost.factors import _use_ghost
 from tf_dp.core.ghost.registry import register_ghost_rule
 from tf_dp.core.ghost.rules._common import activation, covers
-from tf_dp.core.ghost.terms import _EYE_CONV_MAX_WIDTH, conv_patches, rows
+from tf_dp.core.ghost.terms import _EYE_CONV_MAX_WIDTH, conv_patches, padded_rows, rows
 
 _LOG = logging.getLogger("tf_dp")
 
@@ -420,13 +420,13 @@ def _in_chunks(fn, x, g, chunk, width, filters):
     c = max(1, min(int(chunk), _MAX_CHUNK))
     if isinstance(x.shape[0], int) and x.shape[0] <= c:
         # A static batch within one chunk: that chunk, padded to c rows, without a loop.
-        return fn(_padded_rows(x, c), _padded_rows(g, c))[:x.shape[0]]
+        return fn(padded_rows(x, c), padded_rows(g, c))[:x.shape[0]]
     b = tf.shape(x)[0]
     # (at least one chunk: XLA compiles the loop body's read for B = 0 too)
     n = tf.maximum((b + c - 1) // c, 1)
     if _internals.compiling_with_xla():
         def chunks(t):
-            t = _padded_rows(t, n * c)
+            t = padded_rows(t, n * c)
             return tf.reshape(t, tf.concat([[n, c], tf.shape(t)[1:]], 0))
 
         xs, gs = chunks(x), chunks(g)
@@ -449,7 +449,7 @@ def _in_chunks(fn, x, g, chunk, width, filters):
         out = tf.raw_ops.Empty(shape=tf.stack([n, c * block]), dtype=g.dtype)
 
     def padded(t, start):
-        return tf.ensure_shape(_padded_rows(t[start:start + c], c), [c] + t.shape[1:].as_list())
+        return tf.ensure_shape(padded_rows(t[start:start + c], c), [c] + t.shape[1:].as_list())
 
     def body(i, out):
         start = i * c
@@ -459,16 +459,6 @@ def _in_chunks(fn, x, g, chunk, width, filters):
     _, out = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), out),
                            parallel_iterations=1)
     return tf.reshape(out, [-1, width, filters])[:b]
-
-
-def _padded_rows(t, rows):
-    """``t`` with rows of zeros appended up to ``rows`` rows (``t`` has at most that many).
-
-    A concatenation, not ``tf.pad``: Grappler fuses a Pad into the convolution that reads
-    it as the convolution's own spatial padding and drops the batch axis's (TF 2.21,
-    oneDNN: the patches of a batch padded from 7 to 64 rows came out with 7)."""
-    zeros = tf.zeros(tf.concat([[rows - tf.shape(t)[0]], tf.shape(t)[1:]], 0), t.dtype)
-    return tf.concat([t, zeros], axis=0)
 
 
 def _write_block(buffer, i, block):
