@@ -269,5 +269,77 @@ def test_fit_under_xla_pads_its_batches_to_one_size_and_says_when_it_cannot(monk
     assert "XLA_BATCH_SHAPES" in _caveats(model)
 
 
+class _RowsSeen(L.Layer):
+    """Identity layer recording the number of rows of every training forward pass (a
+    Python list filled by ``tf.numpy_function``: a variable written from the data would be
+    refused)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = []
+
+    def call(self, x, training=False):
+        if training:
+            def record(n):
+                self.rows.append(int(n))
+                return np.int32(0)
+
+            done = tf.numpy_function(record, [tf.shape(x)[0]], tf.int32, stateful=True)
+            with tf.control_dependencies([done]):
+                x = tf.identity(x)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:tf_dp. .*PER_EXAMPLE_ASSUMED")
+def test_fit_with_fixed_batch_shape_runs_every_step_at_one_shape_without_xla():
+    """``fit(..., fixed_batch_shape=True)`` is the way to a guarantee that does not rest on
+    the kernels (a GPU's may round by batch size above 16 rows): every step's forward pass
+    sees the padded size ``safe_pad_to(N, q, tail=1e-12)`` (by default the Poisson size,
+    which follows the data); with ``max_physical_batch_size`` every part has that size
+    already. Bad uses are refused, naming the argument."""
+    import tf_dp  # noqa: PLC0415
+    from scipy import stats  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    n, batch = 512, 64
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = rng.integers(0, 2, n)
+    seen = _RowsSeen()
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), seen, L.Dense(2)]))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def rows(**kwargs):
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1, verbose=0, **kwargs)
+        seen.rows.clear()  # the checks before the first step also run the model
+        model.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=20, verbose=0, **kwargs)
+        return list(seen.rows)
+
+    before = model.get_weights()[0].copy()
+    padded = rows(fixed_batch_shape=True)
+    pad_to = padded[0]
+    assert len(padded) == 20 and set(padded) == {pad_to}, padded
+    q = batch / n
+    assert stats.binom.sf(pad_to, n, q) <= 1e-12 < stats.binom.sf(pad_to - 1, n, q)
+    assert not np.array_equal(model.get_weights()[0], before)  # it trained
+    assert model.privacy_report()["guarantee_holds"]
+
+    assert len(set(rows())) > 1  # by default the size follows the sample
+    parts = rows(fixed_batch_shape=True, max_physical_batch_size=16)
+    assert set(parts) == {16} and len(parts) >= 20 * 3, parts
+
+    with pytest.raises(TypeError, match="fixed_batch_shape"):
+        model.fit(x, y, batch_size=batch, verbose=0, fixed_batch_shape="yes")
+    for bad in (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), y=None,
+                     dataset_size=n),
+                dict(x=x, y=y, poisson_sampling=False),
+                dict(x=x, y=y, batch_size=tf_dp.schedules.PiecewiseBatchSize(
+                    [1], [32, 64]))):
+        kwargs = dict(bad)
+        with pytest.raises(ValueError, match="fixed_batch_shape"):
+            model.fit(epochs=1, verbose=0, fixed_batch_shape=True,
+                      **{"batch_size": batch, **kwargs})
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -297,7 +297,7 @@ class DPTrainMixin:
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
             steps_per_epoch=None, poisson_sampling: bool = True, dataset_size: int = None,
             sampling_probability: float = None, max_physical_batch_size: int = None,
-            gradient_snr: str = None, **kwargs):
+            gradient_snr: str = None, fixed_batch_shape: bool = False, **kwargs):
         """Keras ``fit`` with Poisson sampling for array inputs (see the class docstring).
 
         Extra arguments:
@@ -320,6 +320,15 @@ class DPTrainMixin:
             (post-processing, inside the guarantee); "exact" reads the un-noised sum, a
             statistic of the data outside the guarantee (for public or proxy data). See
             ``tf_dp.optimizers.dp_optimizer.gradient_snr_of``.
+          fixed_batch_shape: True pads fit's own Poisson batches (array inputs) to one
+            size, which a batch exceeds with probability below 1e-12 per step
+            (``safe_pad_to(N, q, tail=1e-12)``; padding rows have weight 0): every step
+            then runs its kernels at a shape that does not depend on the data, so no
+            kernel that rounds an example's gradient differently for different batch
+            sizes can let one example move the others' gradients (docs/privacy.md). Costs
+            the padding's rows, about 6 standard deviations of the batch size. Under
+            ``jit_compile=True`` fit pads so anyway; with ``max_physical_batch_size``
+            every part already runs at that size.
         """
         from tf_dp.data.poisson import PoissonSampler, sampler_of
 
@@ -329,6 +338,9 @@ class DPTrainMixin:
         if getattr(self, "_dp_max_rows", None) != max_physical_batch_size:
             self.train_function = None  # baked into the traced step: retrace on change
         self._dp_max_rows = max_physical_batch_size
+        if not isinstance(fixed_batch_shape, (bool, np.bool_)):
+            raise TypeError(f"`fixed_batch_shape` must be True or False, got "
+                            f"{fixed_batch_shape!r}.")
         if gradient_snr not in (None, "private", "exact"):
             raise ValueError(f"`gradient_snr` must be None, 'private' or 'exact', got "
                              f"{gradient_snr!r}.")
@@ -373,8 +385,14 @@ class DPTrainMixin:
                 raise ValueError("A `batch_size` schedule needs array inputs with "
                                  "poisson_sampling=True (or a PoissonSampler built with "
                                  "expected_batch_size=schedule).")
+        if fixed_batch_shape:
+            _check_fixed_batch_shape_input(x, poisson_sampling, schedule)
         workers = _multi_worker_input_context(self)
         if workers is not None:
+            if fixed_batch_shape:
+                raise ValueError("`fixed_batch_shape=True` is not supported under "
+                                 "MultiWorkerMirroredStrategy: each worker samples its own "
+                                 "shard, whose batches fit does not pad.")
             _check_multi_worker_input(workers, x, poisson_sampling, schedule, validation_split,
                                       validation_data, dataset_size, sampling_probability)
         sampler = x if isinstance(x, PoissonSampler) else None
@@ -393,7 +411,8 @@ class DPTrainMixin:
                 if workers is None:
                     expected_size = (schedule.scaled(k) if schedule is not None
                                      else (batch_size or 32) * k)
-                    pad_to = _xla_pad_to(self, schedule, x, expected_size)
+                    pad_to = _one_shape_pad_to(self, schedule, x, expected_size,
+                                               fixed_batch_shape)
                     if (pad_to is not None and sample_weight is None
                             and kwargs.get("class_weight") is not None):
                         # Padded batches carry sample weights (0 on padding rows), which
@@ -920,16 +939,41 @@ _XLA_SHAPES_CAVEAT = (
     "without jit_compile.")
 
 
-def _xla_pad_to(model, schedule, x, expected_size):
-    """The padded batch size of fit's own Poisson batches: under XLA, one size they exceed
-    with probability at most ``_XLA_PAD_TAIL`` (``_XLA_SHAPES_CAVEAT``); None otherwise
-    (and with a batch-size schedule, whose phases have sizes of their own)."""
-    if not model.jit_compile or schedule is not None:
+def _one_shape_pad_to(model, schedule, x, expected_size, fixed_batch_shape=False):
+    """The padded batch size of fit's own Poisson batches: under XLA, or with
+    ``fixed_batch_shape=True``, one size they exceed with probability at most
+    ``_XLA_PAD_TAIL`` (``_XLA_SHAPES_CAVEAT``); None otherwise (and with a batch-size
+    schedule, whose phases have sizes of their own). With ``max_physical_batch_size``
+    (and without XLA, which does not run its loop) every part already runs at that size:
+    no padding of the logical batch."""
+    if schedule is not None:
+        return None
+    if not model.jit_compile and (not fixed_batch_shape
+                                  or getattr(model, "_dp_max_rows", None) is not None):
         return None
     from tf_dp.data.poisson import safe_pad_to  # noqa: PLC0415 (a cycle)
 
     n = len(tf.nest.flatten(x)[0])
     return safe_pad_to(n, min(1.0, expected_size / n), tail=_XLA_PAD_TAIL)
+
+
+def _check_fixed_batch_shape_input(x, poisson_sampling, schedule):
+    """Refuses ``fixed_batch_shape=True`` where fit does not draw the batches itself."""
+    from tf_dp.data.poisson import PoissonSampler  # noqa: PLC0415 (a cycle)
+
+    if isinstance(x, PoissonSampler) or isinstance(x, tf.data.Dataset) or not (
+            _is_array_like(x)):
+        raise ValueError(
+            "`fixed_batch_shape=True` pads the Poisson batches fit draws from arrays; for a "
+            "PoissonSampler or a dataset, build the sampler with pad_to="
+            "tf_dp.data.poisson.safe_pad_to(N, q, tail=1e-12) instead.")
+    if not poisson_sampling:
+        raise ValueError("`fixed_batch_shape=True` needs poisson_sampling=True: fixed "
+                         "batches already have one size, but no proven guarantee.")
+    if schedule is not None:
+        raise ValueError("`fixed_batch_shape=True` is not supported with a batch-size "
+                         "schedule (its phases have sizes of their own); train each phase "
+                         "in a fit of its own.")
 
 
 def _class_weights(y, class_weight):
