@@ -77,6 +77,28 @@ def test_a_crafted_examples_gradient_is_the_same_in_every_batch_size(strategy):
         np.testing.assert_array_equal(got, reference, err_msg=f"B = {n}")
 
 
+
+@pytest.mark.parametrize("strategy", ["ghost", "jl"])
+def test_a_crafted_examples_gradient_is_the_same_at_every_position_of_the_batch(strategy):
+    """Adding an example shifts the examples after it by one row, so an example's gradient
+    must not depend on its position either: at B = 70 (two convolution chunks of 64 rows),
+    the crafted example's own gradient is bit-identical at positions on both sides of the
+    chunk boundary and at the last row (a kernel's remainder rows)."""
+    model = _shared_conv()
+    summed = _runner(model, 1e30, strategy)
+    rng = np.random.default_rng(4)
+    e = _crafted(rng)
+    others = [rng.normal(size=(70,) + SHAPE).astype(np.float32) for _ in range(2)]
+    reference = None
+    for position in (0, 1, 7, 8, 31, 63, 64, 65, 69):
+        a, b = (others[k].copy() for k in range(2))
+        a[position], b[position] = e[0][0], e[1][0]
+        got = summed(a, b, np.eye(1, 70, position, dtype=np.float32)[0])
+        if reference is None:
+            reference = got
+            assert np.linalg.norm(reference) > 1.0
+        np.testing.assert_array_equal(got, reference, err_msg=f"position {position}")
+
 def test_one_added_example_moves_the_sum_by_at_most_c_whatever_the_batch_size():
     """||S(D + z) - S(D)|| <= C for |D| = 1 .. 9, D holding two crafted examples (the
     audit's attack: 1.03-1.14 C at |D| = 1 -> 2 before)."""
