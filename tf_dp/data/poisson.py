@@ -40,7 +40,8 @@ _MAX_CHUNK = 1024
 
 #: PoissonSampler attributes fixed when it is created (what the accounting and every
 #: dataset read); ``schedule`` and ``pad_to`` are fixed once ``dataset()`` is called.
-_FROZEN_AT_CREATION = ("sampling_probability", "dataset_size", "seed", "_stream", "_source")
+_FROZEN_AT_CREATION = ("sampling_probability", "dataset_size", "seed", "_stream",
+                       "_order_stream", "_source")
 
 
 class PoissonSampler:
@@ -72,12 +73,18 @@ class PoissonSampler:
     ``pad_to`` itself unless the batch is larger, then the next multiple (never truncated:
     dropping sampled examples would change the mechanism the accountant counts). With
     ``fit(max_physical_batch_size=pad_to)`` every physical batch then has ``pad_to`` rows.
+    A padded batch's rows, examples and padding, are in a secret uniformly random order
+    (fresh OS entropy, a permutation per step): with the batch's shape fixed, no example's
+    row then follows how many examples precede it, so adding an example leaves every other
+    example's computation unchanged, whatever the kernels do with a row's position
+    (docs/privacy.md, "An example's gradient must not depend on its batch's size").
 
     ```
     for each logical step t:
         seed_t = next seed of a secret stream (fresh OS entropy)
         keep example i iff  uniform(seed_t, i) < q       # independently for i = 1..N
-        batch = the kept examples (+ weight-0 rows up to a multiple of pad_to)
+        batch = the kept examples (+ weight-0 rows up to a multiple of pad_to, and then
+                all rows in a secret random order)
     ```
 
     Args:
@@ -163,6 +170,9 @@ class PoissonSampler:
         # forward), so iterating a dataset twice, or calling dataset() twice, never repeats a
         # sample.
         self._stream = randomness.SecretStream("poisson", seed)
+        # The order of a padded batch's rows: a stream of its own, so that the samples of a
+        # seeded (debugging) sampler are the same with and without pad_to.
+        self._order_stream = randomness.SecretStream("poisson_order", seed)
         object.__setattr__(self, "_frozen", set(_FROZEN_AT_CREATION))
 
     def __setattr__(self, name, value):
@@ -236,8 +246,10 @@ class PoissonSampler:
         if self.schedule is None:
             samples = self._source.samples(steps, lambda step: self.sampling_probability,
                                            self._stream)
+            order = self._order_stream
             ds = samples.map(lambda x, y, sw: _finish((x, y, sw), pad_to,
-                                                       static=pad_to is not None and pad_to >= n))
+                                                       static=pad_to is not None and pad_to >= n,
+                                                       order=order))
         else:
             if isinstance(first_step, tf.Variable):
                 # Read once, when the first element is made (not when the dataset is).
@@ -578,10 +590,13 @@ def _one_pass(source, n, q, seed, chunk):
     return batch.concatenate(tf.data.Dataset.from_tensors(empty)).take(1)
 
 
-def _finish(batch, pad_to, static):
+def _finish(batch, pad_to, static, order=None):
     """``(x, y[, sample_weight])``; with ``pad_to``, weight-0 rows up to the next multiple of
     it (at least one ``pad_to``): a sample larger than ``pad_to`` is padded further, never
-    truncated or refused. ``static``: the batch never exceeds ``pad_to`` (pad_to >= N)."""
+    truncated or refused. ``static``: the batch never exceeds ``pad_to`` (pad_to >= N).
+
+    ``order``: a ``SecretStream``; with ``pad_to``, the padded batch's rows are then put in
+    a uniformly random order drawn from its next seed (``_shuffled_rows``)."""
     x, y, sw = batch
     if sw is not None:
         sw = tf.cast(sw, tf.float32)
@@ -598,4 +613,24 @@ def _finish(batch, pad_to, static):
         return tf.ensure_shape(tf.concat([a, zeros], axis=0),
                                [pad_to if static else None] + a.shape[1:].as_list())
 
-    return tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y), pad(weight)
+    out = tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y), pad(weight)
+    return out if order is None else _shuffled_rows(out, size, order.next_seed())
+
+
+def _shuffled_rows(batch, size, seed):
+    """``batch`` with its ``size`` rows in a uniformly random order: sorted by ``size``
+    full-range int64 Philox words from the secret ``seed`` (all 128 bits kept,
+    ``randomness.words``). Two words are equal with probability below size^2 / 2^65 per
+    batch (~4e-15 at 400 rows); a tie keeps the two rows' order (stable sort), the only
+    departure from a uniform permutation.
+
+    Why (docs/privacy.md): with one batch shape, the rows of D + z can be laid out as those
+    of D with z in a uniformly random padding slot, the same distribution as an independent
+    shuffle of D + z's rows. In that coupling every example of D keeps its row, so any
+    kernel whose result for a row depends on the row's values, its position and the
+    batch's shape gives it the same gradient in both. In index order, z would shift every
+    later example by one row."""
+    keys = randomness.words(seed, tf.reshape(size, [1]), tf.int64)
+    rows = tf.argsort(keys, stable=True)
+    return tf.nest.map_structure(lambda a: None if a is None else tf.ensure_shape(
+        tf.gather(a, rows), a.shape), batch)

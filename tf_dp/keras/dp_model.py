@@ -325,10 +325,11 @@ class DPTrainMixin:
             (``safe_pad_to(N, q, tail=1e-12)``; padding rows have weight 0): every step
             then runs its kernels at a shape that does not depend on the data, so no
             kernel that rounds an example's gradient differently for different batch
-            sizes can let one example move the others' gradients (docs/privacy.md). Costs
-            the padding's rows, about 6 standard deviations of the batch size. Under
-            ``jit_compile=True`` fit pads so anyway; with ``max_physical_batch_size``
-            every part already runs at that size.
+            sizes or by a row's position can let one example move the others' gradients
+            (the rows are in a secret random order; docs/privacy.md). Costs the padding's
+            rows, about 6 standard deviations of the batch size. Under
+            ``jit_compile=True`` fit pads so anyway. With ``max_physical_batch_size`` the
+            padded batch is run in parts of that size.
         """
         from tf_dp.data.poisson import PoissonSampler, sampler_of
 
@@ -943,13 +944,11 @@ def _one_shape_pad_to(model, schedule, x, expected_size, fixed_batch_shape=False
     """The padded batch size of fit's own Poisson batches: under XLA, or with
     ``fixed_batch_shape=True``, one size they exceed with probability at most
     ``_XLA_PAD_TAIL`` (``_XLA_SHAPES_CAVEAT``); None otherwise (and with a batch-size
-    schedule, whose phases have sizes of their own). With ``max_physical_batch_size``
-    (and without XLA, which does not run its loop) every part already runs at that size:
-    no padding of the logical batch."""
+    schedule, whose phases have sizes of their own). The sampler puts a padded batch's rows
+    in a secret random order (``poisson._shuffled_rows``)."""
     if schedule is not None:
         return None
-    if not model.jit_compile and (not fixed_batch_shape
-                                  or getattr(model, "_dp_max_rows", None) is not None):
+    if not model.jit_compile and not fixed_batch_shape:
         return None
     from tf_dp.data.poisson import safe_pad_to  # noqa: PLC0415 (a cycle)
 
