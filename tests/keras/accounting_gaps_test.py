@@ -112,6 +112,54 @@ def test_steps_after_a_fit_that_raised_are_accounted_at_q_1():
     assert _phases(model) == [(q_fit, 2), (1.0, 1)]
 
 
+
+def test_a_callbacks_own_steps_during_fit_are_accounted_at_q_1():
+    """Session 21 audit: fit's q applied to every call of Keras' train function while fit
+    ran, so a callback calling ``model.train_function`` on its own (full) batches had them
+    accounted at fit's q (reported ε 2.8 for 24.5 spent). Only the call Keras' loop makes
+    right after the batch-begin hooks takes fit's q, whichever hook the callback uses."""
+    x, y = _data()
+    full = (tf.constant(x), tf.constant(y))
+
+    class Extra(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                self.model.train_function(iter([full]))
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.train_function(iter([full]))
+
+    model = _model()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[Extra()])  # 5 steps
+    counts = {}
+    for q, count in _phases(model):
+        counts[round(q, 9)] = counts.get(round(q, 9), 0) + count
+    assert counts == {0.2: 5, 1.0: 6}, _phases(model)
+    assert int(model.optimizer.iterations) == 11
+    np.testing.assert_allclose(model.epsilon(), _epsilon((0.2, 5), (1.0, 6)), rtol=1e-9)
+
+
+@pytest.mark.parametrize("inner", ["fit", "train_on_batch"])
+def test_fit_or_train_on_batch_from_a_callback_during_fit_is_refused(inner):
+    """Session 21 audit: a fit called from a callback re-declared the sampling, and the
+    outer fit's remaining q = 1/2 steps were accounted at the inner fit's q = 1/16 (ε 5.2
+    reported for 8.3 spent). Refused, and the outer fit's steps keep their q."""
+    x, y = _data()
+
+    class Nested(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if inner == "fit":
+                self.model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+            else:
+                self.model.train_on_batch(x, y)
+
+    model = _model()
+    with pytest.raises(RuntimeError, match=f"{inner}\\(\\) was called while"):
+        model.fit(x, y, batch_size=50, epochs=1, verbose=0, callbacks=[Nested()])
+    assert _phases(model) == [(pytest.approx(0.5), 1)]
+    model.fit(x, y, batch_size=50, epochs=1, verbose=0)  # and the model trains on after
+    assert _phases(model) == [(pytest.approx(0.5), 3)]
+
 # ---------------------------------------------------------------- #3 optimizer replacement
 
 

@@ -333,6 +333,7 @@ class DPTrainMixin:
         """
         from tf_dp.data.poisson import PoissonSampler, sampler_of
 
+        _refuse_nested(self, "fit")
         if max_physical_batch_size is not None:
             max_physical_batch_size = _validation.positive_int(max_physical_batch_size,
                                                                "max_physical_batch_size")
@@ -543,6 +544,9 @@ class DPTrainMixin:
                      + [j for j in journals])
         if sampler is not None and schedule_start is not None:
             callbacks.append(_ScheduleStart(schedule_start, opt))
+        # Last: nothing runs between its on_train_batch_begin and Keras' own call of the train
+        # function, the one call that takes fit's sampling (make_train_function).
+        callbacks.append(_ArmDeclaredStep())
         try:
             with _declared_sampling(self):
                 return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -556,6 +560,7 @@ class DPTrainMixin:
                        return_dict=False):
         """One private step on this batch, accounted with q = 1: tf_dp did not sample it, so
         no amplification by sampling is claimed (the batch's size is treated as public)."""
+        _refuse_nested(self, "train_on_batch")
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before train_on_batch().")
@@ -571,6 +576,7 @@ class DPTrainMixin:
         self._dp_set_sampling(None, 1.0, poisson=False)
         try:
             with _declared_sampling(self):
+                _arm_declared_step(self)  # Keras' train_on_batch calls the function once
                 return super().train_on_batch(x, y, sample_weight=sample_weight,
                                               class_weight=class_weight,
                                               return_dict=return_dict)
@@ -655,15 +661,21 @@ class DPTrainMixin:
 
     def make_train_function(self, force=False):
         """Keras' train function, whose steps take the sampling ``fit`` / ``train_on_batch``
-        declared (``_dp_set_sampling``) while one of them runs it. Called at any other time
-        (after fit returned), it runs the step without that sampling: q = 1."""
+        declared (``_dp_set_sampling``) when Keras' own loop calls it: the one call armed
+        right before it (``_ArmDeclaredStep``, the last callback's ``on_train_batch_begin``;
+        ``train_on_batch`` arms its one call). Any other call runs the step without that
+        sampling, at q = 1: after fit returned, or from a callback during fit (session 21
+        audit: a callback's own full-batch steps were accounted at fit's q, ε 2.8 reported
+        for 24.5 spent)."""
         if self.train_function is not None and not force:
             return self.train_function
         declared = self._make_function(self._dp_declared_step)
         undeclared = []
 
         def train_function(iterator):
-            if self.__dict__.get("_dp_in_keras_loop", False):
+            armed = self.__dict__.get("_dp_armed", False)
+            object.__setattr__(self, "_dp_armed", False)  # one call per arming, even if it raises
+            if armed and self.__dict__.get("_dp_in_keras_loop", False):
                 return declared(iterator)
             if not undeclared:
                 undeclared.append(self._make_function(self.train_step))
@@ -1138,12 +1150,40 @@ class _declared_sampling:
         self._model = model
 
     def __enter__(self):
-        self._before = self._model.__dict__.get("_dp_in_keras_loop", False)
         object.__setattr__(self._model, "_dp_in_keras_loop", True)
+        object.__setattr__(self._model, "_dp_armed", False)
 
     def __exit__(self, *exc):
-        object.__setattr__(self._model, "_dp_in_keras_loop", self._before)
+        object.__setattr__(self._model, "_dp_in_keras_loop", False)
+        object.__setattr__(self._model, "_dp_armed", False)
         return False
+
+
+def _arm_declared_step(model):
+    """The next call of ``model``'s train function is Keras' own (see
+    ``make_train_function``)."""
+    object.__setattr__(model, "_dp_armed", True)
+
+
+class _ArmDeclaredStep(keras.callbacks.Callback):
+    """fit's last callback: arms the train function call Keras makes right after the
+    batch-begin hooks (``make_train_function``). A call a callback makes itself, in any
+    hook, is not armed and is accounted at q = 1."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        _arm_declared_step(self.model)
+
+
+def _refuse_nested(model, what):
+    """Refuses ``fit`` / ``train_on_batch`` while this model's fit or train_on_batch runs
+    (from a callback): it would re-declare the sampling, and retrace the step, under the
+    outer fit's remaining steps (session 21 audit: a nested fit left the outer fit's
+    q = 1/2 batches accounted at q = 1/16)."""
+    if model.__dict__.get("_dp_in_keras_loop", False):
+        raise RuntimeError(
+            f"tf_dp: {what}() was called while this model's fit() is running (from a "
+            "callback). It would change the sampling that the running fit's remaining steps "
+            "are accounted at. Train again after fit() returns.")
 
 
 class _BudgetCheckpoint(tf.__internal__.tracking.Trackable):
