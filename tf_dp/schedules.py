@@ -52,16 +52,18 @@ class PiecewiseBatchSize:
     def __call__(self, step: int) -> float:
         return self.batch_sizes[self.phase(step)]
 
-    def phases(self, steps: int) -> List[Tuple[float, int]]:
-        """[(batch size, number of steps)] of the first ``steps`` logical steps."""
+    def phases(self, steps: int, start: int = 0) -> List[Tuple[float, int]]:
+        """[(batch size, number of steps)] of the logical steps ``start .. steps - 1`` (the
+        first ``steps`` by default)."""
         out = []
-        start = 0
+        begin = 0
         for i, size in enumerate(self.batch_sizes):
             end = self.boundaries[i] if i < len(self.boundaries) else steps
             end = min(end, steps)
-            if end > start:
-                out.append((size, end - start))
-            start = max(start, end)
+            lo = max(begin, start)
+            if end > lo:
+                out.append((size, end - lo))
+            begin = max(begin, end)
         return out
 
     def examples_seen(self, steps: int) -> float:

@@ -160,6 +160,31 @@ def test_fit_or_train_on_batch_from_a_callback_during_fit_is_refused(inner):
     model.fit(x, y, batch_size=50, epochs=1, verbose=0)  # and the model trains on after
     assert _phases(model) == [(pytest.approx(0.5), 3)]
 
+
+def test_a_rate_given_to_apply_private_by_a_custom_loop_is_noted_as_declared():
+    """Session 21 audit: a custom loop over ``apply_private(sampling_probability=0.25)`` on
+    fixed batches was reported as Poisson-sampled with no caveat (fit on the same batches
+    says FIXED_BATCHES or DECLARED_SAMPLING). A q < 1 from any caller but tf_dp's train
+    step is now noted as declared; fit's own steps are not."""
+    from tf_dp.core import clipped_sum  # noqa: PLC0415
+
+    x, y = _data()
+    model = _model()
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert not model.privacy_report()["caveats"]
+    loss = lambda yt, yp, sw=None: tf.reduce_mean((yt - yp) ** 2, axis=-1)  # noqa: E731
+    for i in range(2):
+        part = slice(25 * i, 25 * (i + 1))
+        sums = clipped_sum(model, x[part], y[part], None, loss, 1.0)
+        model.optimizer.apply_private(sums.grads, model.trainable_variables, 25.0,
+                                      sampling_probability=0.25)
+    report = model.privacy_report()
+    assert [c.split(":")[0] for c in report["caveats"]] == ["DECLARED_SAMPLING"]
+    assert "declared" in report["sampling"] and report["guarantee_holds"]
+    assert (0.25, 2) in _phases(model)
+    model.optimizer.apply_private(sums.grads, model.trainable_variables, 25.0)  # q = 1
+    assert len(model.privacy_report()["caveats"]) == 1
+
 # ---------------------------------------------------------------- #3 optimizer replacement
 
 

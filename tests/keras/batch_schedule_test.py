@@ -228,6 +228,100 @@ def test_a_run_restored_by_backup_and_restore_resumes_its_schedule(tmp_path):
     assert _phases(second) == [(q0, 4), (q1, 1 + resumed)], _phases(second)
 
 
+
+def _scheduled_composition(n, schedule, start, stop, spent=()):
+    acc = PrivacyAccountant()
+    for q, count in spent:
+        acc.step(noise_multiplier=1.0, sampling_probability=q, count=count)
+    for size, count in schedule.phases(stop, start=start):
+        acc.step(noise_multiplier=1.0, sampling_probability=exact_rate(size / n), count=count)
+    return acc.epsilon(1e-5)
+
+
+def test_a_target_is_costed_from_where_a_second_fit_continues_the_schedule(tmp_path):
+    """Session 21 audit: a second fit continues the schedule at the optimizer's step, but its
+    affordable steps were costed as if the schedule restarted at step 0 (the cheap first
+    phase): ε 8.15 against a target of 5.92. Now costed from the step it continues at; so
+    is a run that BackupAndRestore moves to another step when training begins; a dataset
+    the user made from the sampler (its start unknown here) is costed at the costliest
+    phase."""
+    n = 64
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    schedule = PiecewiseBatchSize([4], [4, 32])  # q = 1/16, then 1/2
+    q0, q1 = exact_rate(4 / n), exact_rate(32 / n)
+
+    def build():
+        model = tf_dp.keras.make_private(_model())
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")
+        return model
+
+    model = build()
+    model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=6, verbose=0)
+    target = model.epsilon() + 1.0
+    model.target_epsilon = target
+    model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=40, verbose=0)
+    steps = model.accountant.steps
+    assert model.epsilon() <= target
+    # the last affordable step, costed in the phase the steps were taken in
+    assert _scheduled_composition(n, schedule, 0, steps) <= target < _scheduled_composition(
+        n, schedule, 0, steps + 1)
+    assert _phases(model) == [(q0, 4), (q1, steps - 4)]
+
+    # A dataset the user made from a scheduled sampler: every step costed at q1.
+    model = build()
+    model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=2, verbose=0)
+    model.target_epsilon = model.epsilon() + 3.0
+    sampler = PoissonSampler(x, y, expected_batch_size=schedule)
+    model.fit(sampler.dataset(first_step=4), epochs=1, steps_per_epoch=40, verbose=0)
+    assert model.epsilon() <= model.target_epsilon
+    taken = model.accountant.steps - 2
+    assert 0 < taken < 40
+    assert _scheduled_composition(n, schedule, 0, 2, spent=[(q1, taken)]) <= (
+        model.target_epsilon)
+
+
+
+def test_a_target_is_costed_again_where_backup_and_restore_resumes_the_schedule(tmp_path):
+    """A restarted process's fit starts at step 0 until BackupAndRestore restores step 5
+    (phase 1) when training begins: costed from 0, the limit would let the resumed steps,
+    all at q1, exceed the target. _ScheduleStart costs them again from the restored step."""
+    n = 64
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    schedule = PiecewiseBatchSize([8], [4, 32])  # q = 1/16 for 8 steps, then 1/2
+    q0, q1 = exact_rate(4 / n), exact_rate(32 / n)
+
+    def build():
+        model = tf_dp.keras.make_private(_model())
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")
+        model.build((None, 4))
+        return model
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == 9:
+                raise RuntimeError("simulated crash")
+
+    backup = str(tmp_path / "backup")
+    first = build()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    assert _phases(first) == [(q0, 8), (q1, 1)]
+    # room for 2 more steps at q1 (costed from step 0 instead: 3 at q0 ... more than that)
+    target = _scheduled_composition(n, schedule, 0, 11) + 1e-9
+    second = build()
+    second.target_epsilon = target
+    second.fit(x, y, batch_size=schedule, epochs=5, steps_per_epoch=3, verbose=0,
+               callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert second.epsilon() <= target
+    assert _phases(second) == [(q0, 8), (q1, 3)], _phases(second)
+
 def test_calibration_over_phases():
     from tf_dp.accounting import calibrate_noise_multiplier
 

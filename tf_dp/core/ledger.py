@@ -30,6 +30,8 @@ class StepLedger:
 
     def __init__(self):
         self._slots: List[Mechanism] = []
+        #: slot -> caveat its steps carry (``note``), given to the budget that drains them
+        self._notes = {}
         self._lock = threading.Lock()
         with tf.init_scope():
             self._counts = tf.Variable(tf.zeros([MAX_MECHANISMS], tf.int64), trainable=False,
@@ -45,6 +47,20 @@ class StepLedger:
                                      "mechanisms for one optimizer.")
                 self._slots.append(mechanism)
             return self._slots.index(mechanism)
+
+    def note(self, mechanism: Mechanism, caveat: str) -> None:
+        """The steps of ``mechanism`` carry ``caveat`` (trace time): ``drain_caveats``
+        hands it to the budget that drains steps of that mechanism."""
+        slot = self.slot(mechanism)
+        with self._lock:
+            self._notes[slot] = caveat
+
+    def caveat_of(self, mechanism: Mechanism) -> Optional[str]:
+        """The caveat ``note`` gave ``mechanism``'s steps, or None."""
+        with self._lock:
+            if mechanism not in self._slots:
+                return None
+            return self._notes.get(self._slots.index(mechanism))
 
     def record(self, mechanism: Mechanism, count=1):
         """Graph op: adds ``count`` (a 0/1 tensor on non-first replicas) steps of ``mechanism``."""

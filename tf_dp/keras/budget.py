@@ -39,6 +39,12 @@ NOT_COVERED = (
 )
 
 
+def _step_cost(mechanism):
+    """An order of one step's cost among mechanisms of one optimizer (the same sigma and r):
+    the sampling rate q."""
+    return mechanism[1]
+
+
 def _sampling_assumption(caveats):
     if any(c.startswith("FIXED_BATCHES") for c in caveats):
         return ("fixed (shuffled) batches, accounted as if Poisson-sampled: outside the proven "
@@ -92,6 +98,9 @@ class PrivacyBudget:
         for sigma, q, r, count in ledger.drain():
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
+            caveat = ledger.caveat_of((sigma, q, r))
+            if caveat is not None:
+                self.caveats.add(caveat)
             if r is not None:
                 # What exact clipping would have cost at the same sigma, q and steps.
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,
@@ -230,23 +239,28 @@ class PrivacyBudget:
         lines.append("  not covered: " + "; ".join(r["not_covered"]))
         return "\n".join(lines)
 
-    def remaining_steps(self, mechanism, boundaries=None):
+    def remaining_steps(self, mechanism, boundaries=None, start=0):
         """Steps of ``mechanism`` (sigma, q, r) left within the target (None: no target).
 
         With ``boundaries``, ``mechanism`` is a list, one per phase of a batch-size schedule
-        (``tf_dp.schedules.PiecewiseBatchSize``) whose steps are counted from 0: the steps
-        that the schedule's next steps can take.
+        (``tf_dp.schedules.PiecewiseBatchSize``): the steps that the schedule's steps
+        ``start, start + 1, ...`` can take (a second fit continues the schedule where the
+        first stopped: costed from 0, its steps were those of the cheaper first phase,
+        session 21 audit). ``start=None``: the start is not known (a dataset made by the
+        user's sampler), so every step is costed at the costliest phase's mechanism.
         """
         if self.target_epsilon is None:
             return None
         if boundaries is not None:
-            return self._remaining_scheduled(mechanism, list(boundaries))
+            if start is None:
+                return self.remaining_steps(max(mechanism, key=_step_cost))
+            return self._remaining_scheduled(mechanism, list(boundaries), int(start))
         sigma, q, r = mechanism
         return max_additional_steps(self.accountant, self.target_epsilon, self.delta,
                                     dict(noise_multiplier=sigma, sampling_probability=q,
                                          num_projections=r))
 
-    def _remaining_scheduled(self, mechanisms, boundaries, limit=10**8):
+    def _remaining_scheduled(self, mechanisms, boundaries, start=0, limit=10**8):
         from tf_dp.accounting.functions import largest_fitting
         from tf_dp.schedules import PiecewiseBatchSize
 
@@ -254,7 +268,7 @@ class PrivacyBudget:
 
         def fits(m):
             acc = type(self.accountant).from_config(self.accountant.get_config())
-            for size, count in schedule.phases(m):
+            for size, count in schedule.phases(start + m, start=start):
                 sigma, q, r = mechanisms[int(size) - 1]
                 acc.step(noise_multiplier=sigma, sampling_probability=q, num_projections=r,
                          count=count)

@@ -21,6 +21,7 @@ from tf_dp.keras import steering
 from tf_dp.keras.budget_journal import journals_for
 from tf_dp.schedules import PiecewiseBatchSize
 from tf_dp.keras.privacy_callback import PrivacyCallback
+from tf_dp.optimizers import dp_optimizer as dp_optimizer_lib
 from tf_dp.optimizers.dp_optimizer import DPOptimizerMixin
 
 _FIXED_BATCH_NOTE = (
@@ -476,8 +477,14 @@ class DPTrainMixin:
                             steps_per_epoch=steps_per_epoch)
         scheduled = isinstance(q, tuple)
         if scheduled:
+            # Costed from the step the schedule starts at (fit's own sampler continues it at
+            # the optimizer's step count); a dataset the user made from a sampler starts
+            # where they chose, unknown here: every step at the costliest phase's q.
+            start = (None if schedule_start is None
+                     else int(keras.ops.convert_to_numpy(opt.iterations)))
             budget = self.privacy_budget.remaining_steps(
-                [opt.mechanism(p) for p in q], boundaries=sampler.schedule.boundaries)
+                [opt.mechanism(p) for p in q], boundaries=sampler.schedule.boundaries,
+                start=start)
         else:
             budget = self._dp_remaining_steps(opt.mechanism(q))
         if budget == 0:
@@ -498,6 +505,13 @@ class DPTrainMixin:
             planned = (epochs - int(kwargs.get("initial_epoch", 0) or 0)) * int(
                 fit_args["steps_per_epoch"])
         limit = planned if budget is None else budget if planned is None else min(budget, planned)
+        limit_var = None
+        if limit is not None and scheduled and budget is not None and schedule_start is not None:
+            # BackupAndRestore may move the schedule's start when training begins (after this
+            # point): _ScheduleStart then costs the steps again and may lower the limit.
+            with tf.init_scope():
+                limit_var = tf.Variable(limit, dtype=tf.int64, trainable=False,
+                                        name="tf_dp_step_limit")
         if limit is not None:
             # Never more logical steps than the budget allows, whatever steps_per_execution:
             # the data stream itself ends there.
@@ -505,7 +519,7 @@ class DPTrainMixin:
                 (fit_args["x"], fit_args["y"], fit_args["sample_weight"]), validation_data = (
                     _split_validation(fit_args["x"], fit_args["y"], fit_args["sample_weight"],
                                       fit_args["validation_split"]))
-            fit_args["x"] = _limit_steps(fit_args, limit)
+            fit_args["x"] = _limit_steps(fit_args, limit if limit_var is None else limit_var)
             if not isinstance(fit_args["x"], tf.data.Dataset):
                 raise ValueError("`target_epsilon` needs array, PoissonSampler or tf.data input.")
             for key in ("y", "sample_weight", "batch_size", "validation_split"):
@@ -543,7 +557,17 @@ class DPTrainMixin:
         callbacks = ([privacy] + [c for c in callbacks if c not in journals]
                      + [j for j in journals])
         if sampler is not None and schedule_start is not None:
-            callbacks.append(_ScheduleStart(schedule_start, opt))
+            retarget = None
+            if limit_var is not None:
+                mechanisms = [opt.mechanism(p) for p in q]
+
+                def retarget(start):
+                    new = self.privacy_budget.remaining_steps(
+                        mechanisms, boundaries=sampler.schedule.boundaries, start=start)
+                    if new < int(limit_var.numpy()):
+                        limit_var.assign(new)
+                        privacy.max_steps = new
+            callbacks.append(_ScheduleStart(schedule_start, opt, retarget))
         # Last: nothing runs between its on_train_batch_begin and Keras' own call of the train
         # function, the one call that takes fit's sampling (make_train_function).
         callbacks.append(_ArmDeclaredStep())
@@ -800,11 +824,15 @@ class DPTrainMixin:
             # divisor; an empty batch releases its noise divided by 1 (not by 0: NaN weights).
             expected = tf.maximum(_global_count(private_step.batch_size_of(x)), 1.0)
         snr_kind = getattr(self, "_dp_gradient_snr", None)
-        snr = opt.apply_private(grads, variables, expected, sampling_probability=q,
-                                carrier=carrier,
-                                extra_gradients=_regularization_gradients(carrier.trainable),
-                                clip_count=count, clip=clip, gradient_snr=snr_kind,
-                                phase=phase)
+        # q is the one fit / train_on_batch declared for this step (its sampler's, or noted
+        # as declared by the caller of fit), or 1: not the caller's word to apply_private.
+        with dp_optimizer_lib.sampled_by_train_step(opt):
+            snr = opt.apply_private(grads, variables, expected, sampling_probability=q,
+                                    carrier=carrier,
+                                    extra_gradients=_regularization_gradients(
+                                        carrier.trainable),
+                                    clip_count=count, clip=clip, gradient_snr=snr_kind,
+                                    phase=phase)
         logs = self.get_metrics_result()
         if phase is not None:
             logs = {**logs, "batch_size": expected}  # the progress bar shows the phase's size
@@ -1082,8 +1110,11 @@ def _fixed_batch_sampling(x, batch_size, validation_split, dataset_size, samplin
 
 
 def _limit_steps(fit_args, steps):
-    """The input of ``fit_args`` cut to ``steps`` logical batches (a tf.data.Dataset)."""
+    """The input of ``fit_args`` cut to ``steps`` logical batches (a tf.data.Dataset);
+    ``steps`` a Python int, or an int64 ``tf.Variable`` read as each batch is drawn."""
     x = fit_args["x"]
+    if isinstance(steps, tf.Variable):
+        return x.enumerate().take_while(lambda i, _: i < steps).map(lambda _, e: e)
     if isinstance(x, tf.data.Dataset):
         return x.take(steps)
     if _is_array_like(x):
@@ -1382,12 +1413,16 @@ class _ScheduleStart(keras.callbacks.Callback):
     once training begins (after any BackupAndRestore restore: this callback comes after the
     user's)."""
 
-    def __init__(self, start, optimizer):
+    def __init__(self, start, optimizer, retarget=None):
         super().__init__()
-        self._start, self._optimizer = start, optimizer
+        self._start, self._optimizer, self._retarget = start, optimizer, retarget
 
     def on_train_begin(self, logs=None):
-        self._start.assign(int(keras.ops.convert_to_numpy(self._optimizer.iterations)))
+        start = int(keras.ops.convert_to_numpy(self._optimizer.iterations))
+        self._start.assign(start)
+        if self._retarget is not None:
+            # With a target epsilon: the steps from this start, never more than planned.
+            self._retarget(start)
 
 
 def _multi_worker_input_context(model):

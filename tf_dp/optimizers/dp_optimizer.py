@@ -3,7 +3,9 @@ normalisation by the expected batch size, and the refusal to run outside a priva
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
 
 import keras
@@ -51,6 +53,36 @@ DP_ARGS_DOC = """l2_norm_clip: the clipping norm C (> 0).
       seed: debugging only. None (default): noise from fresh OS entropy, never saved or
         replayed. An int makes the noise a public function of the seed, so the privacy
         guarantee does not hold (a warning says so)."""
+
+
+#: per thread (tf.distribute traces each replica's step in a thread of its own): the ids of
+#: the optimizers whose apply_private is being called by tf_dp's train step
+#: (``sampled_by_train_step``)
+_STEP_SAMPLING = threading.local()
+
+
+@contextlib.contextmanager
+def sampled_by_train_step(optimizer):
+    """While tf_dp's train step calls ``optimizer.apply_private``: its q is the one the step
+    took from fit's sampler or declaration (already noted), not the caller's word."""
+    active = getattr(_STEP_SAMPLING, "optimizers", None)
+    if active is None:
+        active = _STEP_SAMPLING.optimizers = set()
+    added = id(optimizer) not in active
+    active.add(id(optimizer))
+    try:
+        yield
+    finally:
+        if added:
+            active.discard(id(optimizer))
+
+
+#: the caveat of steps whose q < 1 came from the caller of ``apply_private``, not from tf_dp's
+#: own train step (which takes it from its Poisson sampler or notes fit's declaration).
+_DECLARED_Q_CAVEAT = (
+    "DECLARED_SAMPLING: apply_private(sampling_probability={q:g}) was called by code other "
+    "than tf_dp's train step: the batches are accounted as Poisson samples at that rate, "
+    "which tf_dp did not draw and cannot check.")
 
 
 class DPOptimizerMixin:
@@ -395,6 +427,13 @@ class DPOptimizerMixin:
         # Recorded once per global step after the update, in every process's ledger: by the
         # first replica of each worker (of the one process without multi-worker training).
         first_on_worker = _first_replica_on_this_worker(ctx, replica_id)
+        if id(self) not in getattr(_STEP_SAMPLING, "optimizers", ()):
+            # A q < 1 that tf_dp's own train step did not take from its sampler (a custom
+            # loop over apply_private): the caller's word (session 21 audit: fixed batches
+            # declared at q = 0.25 were reported as Poisson samples, without a caveat).
+            for q in qs:
+                if q < 1.0:
+                    self._dp_ledger.note(self.mechanism(q), _DECLARED_Q_CAVEAT.format(q=q))
         with tf.control_dependencies([self.iterations]):
             if phase is None:
                 self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
