@@ -185,6 +185,27 @@ def test_a_rate_given_to_apply_private_by_a_custom_loop_is_noted_as_declared():
     model.optimizer.apply_private(sums.grads, model.trainable_variables, 25.0)  # q = 1
     assert len(model.privacy_report()["caveats"]) == 1
 
+
+def test_make_private_of_a_private_model_keeps_its_delta_and_target():
+    """Session 21 audit: make_private() of an already-private model reset its delta to 1e-5
+    (the reported ε fell from 7.26 to 5.46) and dropped its target (fit then ran past it).
+    Both are kept unless given anew; a change after steps were spent is warned about."""
+    import warnings  # noqa: PLC0415
+
+    x, y = _data()
+    model = _compile(tf_dp.keras.make_private(_base(), delta=1e-7, target_epsilon=50.0))
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    spent = model.epsilon()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = tf_dp.keras.make_private(model)
+    assert again is model
+    assert model.privacy_delta == 1e-7 and model.target_epsilon == 50.0
+    assert model.epsilon() == spent
+    with pytest.warns(UserWarning, match="changes this private model's delta"):
+        tf_dp.keras.make_private(model, delta=1e-6)
+    assert model.privacy_delta == 1e-6 and model.target_epsilon == 50.0
+
 # ---------------------------------------------------------------- #3 optimizer replacement
 
 

@@ -1665,7 +1665,7 @@ class DPSequential(DPTrainMixin, keras.Sequential):
     """A ``keras.Sequential`` that trains with differential privacy (see ``DPModel``)."""
 
 
-def make_private(model: keras.Model, delta: float = 1e-5,
+def make_private(model: keras.Model, delta: float = None,
                  target_epsilon: float = None) -> keras.Model:
     """Returns a private version of ``model`` sharing its layers and weights.
 
@@ -1677,8 +1677,12 @@ def make_private(model: keras.Model, delta: float = 1e-5,
 
     Args:
       model: a Keras model (functional, Sequential or subclassed).
-      delta: the delta at which epsilon is reported in the training logs, in (0, 1).
+      delta: the delta at which epsilon is reported in the training logs, in (0, 1);
+        default 1e-5. A model that is already private keeps its own unless one is given
+        (a change is warned about).
       target_epsilon: optional budget; ``fit`` stops before the step that would exceed it.
+        A model that is already private keeps its own unless one is given (session 21
+        audit: a second make_private dropped the target, and fit ran past it).
 
     Raises:
       TypeError: if ``model`` is not a ``keras.Model``.
@@ -1687,9 +1691,23 @@ def make_private(model: keras.Model, delta: float = 1e-5,
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    delta = _validation.delta(delta)
+    if delta is not None:
+        delta = _validation.delta(delta)
     if target_epsilon is not None:
         target_epsilon = _validation.positive_epsilon(target_epsilon)
+    if isinstance(model, DPTrainMixin):
+        # Already private: its budget's delta and target stay unless given anew.
+        for name, new, old in (("delta", delta, model.privacy_delta),
+                               ("target_epsilon", target_epsilon, model.target_epsilon)):
+            if (new is not None and old is not None and float(new) != float(old)
+                    and model.privacy_budget.accountant.steps):
+                warnings.warn(f"tf_dp: make_private() changes this private model's {name} "
+                              f"from {old:g} to {new:g}.", UserWarning, stacklevel=2)
+        if delta is not None:
+            model.privacy_delta = float(delta)
+        if target_epsilon is not None:
+            model.target_epsilon = float(target_epsilon)
+        return model
     compile_config = None
     if getattr(model, "compiled", False) and not isinstance(model, DPTrainMixin):
         if _dp_optimizer_of(getattr(model, "optimizer", None)) is None:
@@ -1703,7 +1721,7 @@ def make_private(model: keras.Model, delta: float = 1e-5,
         # The same compile arguments for the private train step (the DP optimizer, which has
         # taken no step, is rebuilt from its config).
         private.compile_from_config(compile_config)
-    private.privacy_delta = float(delta)
+    private.privacy_delta = 1e-5 if delta is None else float(delta)
     private.target_epsilon = None if target_epsilon is None else float(target_epsilon)
     return private
 
