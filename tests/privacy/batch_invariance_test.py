@@ -99,6 +99,48 @@ def test_a_crafted_examples_gradient_is_the_same_at_every_position_of_the_batch(
             assert np.linalg.norm(reference) > 1.0
         np.testing.assert_array_equal(got, reference, err_msg=f"position {position}")
 
+
+def _shared_sigmoid_dense(d=4):
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((d,)), keras.Input((d,))
+    shared = L.Dense(1, activation="sigmoid", use_bias=False)
+    model = keras.Model([a, b], L.Subtract()([shared(a), shared(b)]))
+    shared.set_weights([np.full((d, 1), 0.25e-9, np.float32)])
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "vmap"])
+def test_an_example_joining_ahead_of_a_crafted_one_moves_the_sum_by_at_most_c(strategy):
+    """Session 21 audit: Eigen's elementwise kernels run whole SIMD packets on a tensor's
+    body and a scalar path, which rounds sigmoid and its gradient differently, on its last
+    partial packet. Whether a crafted example's entries (a shared Dense with a sigmoid on
+    inputs an ulp apart at 1e9: its gradient mostly rounding) fell in that tail followed
+    the batch size and its row, so an ordinary example put ahead of it moved the sum by
+    2.02 C at |D| = 16. Every batch now runs padded to a multiple of 16 rows."""
+    d, clip = 4, 10.0
+    model = _shared_sigmoid_dense(d)
+    spec = tf.TensorSpec([None, d], tf.float32)
+
+    @tf.function(input_signature=[spec, spec])
+    def summed(a, b):
+        n = tf.shape(a)[0]
+        out = clipped_sum(model, [a, b], tf.zeros([n, 1]), None,
+                          lambda yt, yp, sw: yp[:, 0], clip, norm_strategy=strategy)
+        return tf.concat([tf.reshape(g, [-1]) for g in out.grads], 0)
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for size in (16, 17, 31):
+        for _ in range(8):
+            u = (1e9 * rng.uniform(0.5, 1.5, size=(1, d))).astype(np.float32)
+            crafted = [u, np.nextafter(u, np.float32(np.inf)).astype(np.float32)]
+            others = [rng.normal(size=(size, d)).astype(np.float32) for _ in range(2)]
+            d_ = [np.concatenate([others[k][:size - 1], crafted[k]]) for k in range(2)]
+            dz = [np.concatenate([others[k][size - 1:], d_[k]]) for k in range(2)]  # z first
+            moved = summed(*dz).numpy() - summed(*d_).numpy()
+            worst = max(worst, np.linalg.norm(moved) / clip)
+    assert worst <= 1.0 + 1e-6, worst
+
 def test_one_added_example_moves_the_sum_by_at_most_c_whatever_the_batch_size():
     """||S(D + z) - S(D)|| <= C for |D| = 1 .. 9, D holding two crafted examples (the
     audit's attack: 1.03-1.14 C at |D| = 1 -> 2 before)."""
@@ -185,8 +227,9 @@ def test_under_xla_a_fixed_batch_shape_keeps_one_example_within_c():
     doing so, the first assertion tells). So under XLA, with the batch size following the
     data, a crafted example's gradient moves when one other example joins, and the sum by
     more than C (audit: up to 1.48 C). fit pads its Poisson batches to one size under XLA;
-    with the batch padded to 64 rows of weight 0, D (50 examples) and D + z (51) run with
-    the same shape and z moves the sum by at most C."""
+    with the batch padded to 64 rows of weight 0, D (48 examples) and D + z (49) run with
+    the same shape and z moves the sum by at most C. (Every batch runs padded to a multiple
+    of 16 rows: 48 and 49 rows run as 48 and 64, on both sides of the 51-row threshold.)"""
     clip = 1e-2
     model = _shared_dense()
     spec = tf.TensorSpec([None, 64], tf.float32)
@@ -211,9 +254,9 @@ def test_under_xla_a_fixed_batch_shape_keeps_one_example_within_c():
     for _ in range(10):
         u = (1e9 * rng.normal(size=(1, 64))).astype(np.float32)
         crafted = [u, np.nextafter(u, np.float32(np.inf)).astype(np.float32)]
-        others = [rng.normal(size=(50, 64)).astype(np.float32) for _ in range(2)]
-        d = [np.concatenate([crafted[k], others[k][:49]]) for k in range(2)]
-        dz = [np.concatenate([d[k], others[k][49:]]) for k in range(2)]
+        others = [rng.normal(size=(48, 64)).astype(np.float32) for _ in range(2)]
+        d = [np.concatenate([crafted[k], others[k][:47]]) for k in range(2)]
+        dz = [np.concatenate([d[k], others[k][47:48]]) for k in range(2)]
         for pad_to in moved:
             moved[pad_to] = max(moved[pad_to],
                                 np.linalg.norm(run(dz, pad_to) - run(d, pad_to)) / clip)
@@ -322,6 +365,9 @@ def test_fit_with_fixed_batch_shape_runs_every_step_at_one_shape_without_xla():
     import tf_dp  # noqa: PLC0415
     from scipy import stats  # noqa: PLC0415
 
+    from tf_dp.core.private_step import padded_row_count  # noqa: PLC0415
+    from tf_dp.data.poisson import safe_pad_to  # noqa: PLC0415
+
     rng = np.random.default_rng(0)
     n, batch = 512, 64
     x = rng.normal(size=(n, 4)).astype(np.float32)
@@ -339,16 +385,19 @@ def test_fit_with_fixed_batch_shape_runs_every_step_at_one_shape_without_xla():
 
     before = model.get_weights()[0].copy()
     padded = rows(fixed_batch_shape=True)
-    pad_to = padded[0]
-    assert len(padded) == 20 and set(padded) == {pad_to}, padded
     q = batch / n
+    pad_to = safe_pad_to(n, q, tail=1e-12)
     assert stats.binom.sf(pad_to, n, q) <= 1e-12 < stats.binom.sf(pad_to - 1, n, q)
+    # (the private step runs it padded further, to a multiple of ROW_MULTIPLE rows)
+    assert len(padded) == 20 and set(padded) == {padded_row_count(pad_to)}, padded
     assert not np.array_equal(model.get_weights()[0], before)  # it trained
     assert model.privacy_report()["guarantee_holds"]
 
     assert len(set(rows())) > 1  # by default the size follows the sample
     parts = rows(fixed_batch_shape=True, max_physical_batch_size=16)
     assert set(parts) == {16} and len(parts) == 20 * -(-pad_to // 16), parts
+    parts = rows(max_physical_batch_size=10)  # parts run at a multiple of 16 rows
+    assert set(parts) == {16}, parts
 
     with pytest.raises(TypeError, match="fixed_batch_shape"):
         model.fit(x, y, batch_size=batch, verbose=0, fixed_batch_shape="yes")

@@ -130,6 +130,19 @@ def non_finite_policy(model):
 #: a batch of fewer rows is run padded to this many rows of sample weight 0
 MIN_ROWS = 16
 
+#: every batch runs padded to a multiple of this many rows (weight 0): a whole number of
+#: SIMD packets of float32 (16 with AVX-512; 8 with AVX2) in every batch-major tensor
+ROW_MULTIPLE = 16
+
+
+def padded_row_count(n, min_rows=MIN_ROWS):
+    """The rows a batch of ``n`` examples runs with: at least ``min_rows``, a multiple of
+    ``ROW_MULTIPLE`` (``n`` a Python int or an int tensor)."""
+    m = -(-int(min_rows) // ROW_MULTIPLE) * ROW_MULTIPLE
+    if isinstance(n, int):
+        return max(m, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
+    return tf.maximum(m, (n + ROW_MULTIPLE - 1) // ROW_MULTIPLE * ROW_MULTIPLE)
+
 
 @tf.autograph.experimental.do_not_convert
 def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
@@ -149,7 +162,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
       seed: (2,) int seed of the JL directions (JL strategies).
       min_rows: a smaller batch runs padded to this many rows of weight 0 (default
         ``MIN_ROWS``; a micro-batch loop passes its physical batch size, which its parts
-        then all have).
+        then all have); every batch is padded to a multiple of ``ROW_MULTIPLE`` rows.
 
     Returns a ``ClippedSum`` whose ``grads`` are float64 whatever the variables' dtype: pass
     them to ``DPOptimizerMixin.apply_private``, which adds the float64 noise and rounds once
@@ -164,7 +177,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     x, y, sample_weight = _at_least_min_rows(x, y, sample_weight, n, min_rows)
     out = strategy.clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
                                variables, seed=seed, non_finite=non_finite_policy(model))
-    if isinstance(n, int) and n >= min_rows:
+    if isinstance(n, int) and n == padded_row_count(n, min_rows):
         return out
     real = lambda t: None if t is None else t[:n]  # noqa: E731
     return ClippedSum(grads=out.grads, losses=real(out.losses),
@@ -172,9 +185,9 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
 
 
 def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
-    """``(x, y, sample_weight)`` with rows of sample weight 0 appended up to ``min_rows``
-    rows (nothing appended to a larger batch): copies of the first row, or zeros for an
-    empty batch.
+    """``(x, y, sample_weight)`` with rows of sample weight 0 appended up to
+    ``padded_row_count(n, min_rows)`` rows (at least ``min_rows``, a multiple of
+    ``ROW_MULTIPLE``): copies of the first row, or zeros for an empty batch.
 
     An example's gradient must not depend on how many other examples its batch holds, yet
     TensorFlow's kernels round a row differently for different batch sizes: on this CPU,
@@ -187,13 +200,21 @@ def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):
     ``min_rows`` the batch runs at ``min_rows`` rows; padding rows add nothing to the sums
     and the caller gets the outputs of the real rows only. This also gives XLA no batch of
     0 or 1 row, which several paths could not compile.
+
+    A multiple of ``ROW_MULTIPLE`` rows (session 21 audit): Eigen's elementwise kernels run
+    whole SIMD packets on the body of a tensor and a scalar path, which rounds
+    transcendental functions differently (sigmoid, its gradient, softplus, log, exp), on a
+    final partial packet. Which example's entries fall in that tail followed the batch size
+    and the example's row, so an example joining the batch ahead of a crafted one moved the
+    sum by 2.02 C (a shared Dense with a sigmoid). With every batch-major tensor a whole
+    number of packets there is no tail.
     Without sample weights, the real rows get weight 1, which is what no weight means.
     """
-    if isinstance(n, int) and n >= min_rows:
+    if isinstance(n, int) and n == padded_row_count(n, min_rows):
         return x, y, sample_weight
     if sample_weight is None:
         sample_weight = tf.ones([n], tf.float32)
-    rows = tf.maximum(min_rows, n)
+    rows = padded_row_count(n, min_rows)
 
     def pad(t, weight=False):
         # Copies of the first row (zeros for an empty batch; weight 0 for the weights):

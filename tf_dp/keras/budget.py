@@ -33,9 +33,9 @@ NOT_COVERED = (
     "what callbacks of your own decide from the logged metrics (computed without noise)",
     "side channels (timing, memory) and the model's architecture choice",
     "floating-point kernels that round an example's gradient differently for different "
-    "batch sizes of 16 rows or more (none found for the layers swept on tf_dp's test CPU; "
-    "a GPU's may): train at one batch shape to rule them out (fit(..., "
-    "fixed_batch_shape=True), or a PoissonSampler with pad_to=...)",
+    "batch sizes or row positions in batches padded to a multiple of 16 rows (none found "
+    "for the layers swept on tf_dp's test CPU; a GPU's may): train at one batch shape to "
+    "rule them out (fit(..., fixed_batch_shape=True), or a PoissonSampler with pad_to=...)",
 )
 
 

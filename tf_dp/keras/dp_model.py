@@ -314,7 +314,9 @@ class DPTrainMixin:
           max_physical_batch_size: at most this many examples go through the model at once
             (Opacus' BatchMemoryManager): each logical batch, whatever its realised Poisson
             size, is split into as many micro-batches as needed; noise is still added once
-            per logical step. None (default): ``gradient_accumulation_steps`` parts.
+            per logical step. Every part runs padded to this size rounded up to a multiple
+            of 16 rows (weight 0; ``private_step.ROW_MULTIPLE``). None (default):
+            ``gradient_accumulation_steps`` parts.
           gradient_snr: None (default), "private" or "exact": logs ``gradient_snr``, each
             logical step's ``||clipped sum|| / ||noise||`` (Anil et al. 2021; in History the
             epoch's last step). "private" estimates it from the noised update alone
