@@ -190,6 +190,29 @@ def test_mixing_loss():
         check_per_example_independence(_mlp([]), X, Y, None, centred)
 
 
+
+def test_rows_whose_first_time_step_weighs_zero_are_still_probed():
+    """Session 21 audit: the probe took the rows whose FIRST weight entry was positive, so
+    per-time-step weights of left-padded sequences (step 0 weighted 0) left no probe rows;
+    a layer normalising across the batch (UnitNormalization(axis=0)) trained, 3.23 C. The
+    probe now takes every row with a non-zero weight, as the private step counts them."""
+    import tf_dp  # noqa: PLC0415
+
+    steps = 4
+    rng = np.random.default_rng(51)
+    x = rng.normal(size=(8, steps, 3)).astype("float32")
+    y = rng.normal(size=(8, steps, 2)).astype("float32")
+    weights = np.ones((8, steps), "float32")
+    weights[:, 0] = 0.0
+    keras.utils.set_random_seed(9)
+    i = keras.Input((steps, 3))
+    h = keras.layers.UnitNormalization(axis=0)(keras.layers.Dense(3)(i))
+    model = tf_dp.keras.make_private(keras.Model(i, keras.layers.Dense(2)(h)))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=0.05, noise_multiplier=0.0,
+                                        learning_rate=1.0), loss="mse")
+    with pytest.raises(ValueError, match="UnitNormalization.*mixes the examples"):
+        model.train_on_batch(x, y, sample_weight=weights)
+
 def test_batch_norm_keeps_its_specific_message():
     model = _mlp([L.BatchNormalization(name="bn")])
     with pytest.raises(ValueError, match="'bn' is a BatchNormalization layer: its batch "

@@ -1110,8 +1110,12 @@ def _probe_rows(x, y, sample_weight, num_rows):
         return None
     rows = np.arange(n)
     if sample_weight is not None:
-        w = np.asarray(tf.reshape(tf.convert_to_tensor(sample_weight), [n, -1])[:, 0])
-        rows = rows[w > 0]
+        # A row is an example if any of its weights is non-zero (per-time-step weights of a
+        # left-padded sequence start with 0), as the private step counts it (real_rows):
+        # picking by the first entry left no probe rows, and the model went unchecked
+        # (session 21 audit: UnitNormalization(axis=0) trained, 3.23 C).
+        w = np.asarray(tf.reshape(tf.convert_to_tensor(sample_weight), [n, -1]))
+        rows = rows[np.any(w != 0, axis=1)]
     rows = list(rows[:num_rows])
     if len(rows) < 2:
         return None

@@ -15,20 +15,34 @@ import tensorflow as tf
 _SUM_REDUCTIONS = ("sum",)
 
 
-def _loss_callable(loss: Any) -> tuple[Callable, bool]:
-    """Returns (fn(y_true, y_pred) -> unreduced values, sums_within_example)."""
+def _loss_callable(loss: Any) -> tuple[Callable, bool, bool]:
+    """Returns (fn(y_true, y_pred) -> unreduced values, sums_within_example, keras' own)."""
     if isinstance(loss, str):
         loss = keras.losses.get(loss)
     if isinstance(loss, keras.losses.Loss):
         within_sum = getattr(loss, "reduction", None) in _SUM_REDUCTIONS
         # `Loss.call` is the unreduced computation by Keras's contract; masks and
         # sample weights are applied by the caller.
-        return loss.call, within_sum
+        return loss.call, within_sum, _is_keras_own(loss)
     if callable(loss):
-        return loss, False
+        return loss, False, _is_keras_own(loss)
     raise TypeError(
         f"`loss` must be a string, a `keras.losses.Loss` or a callable, got {loss!r}."
     )
+
+
+def _is_keras_own(loss) -> bool:
+    """Whether ``loss`` is one of Keras' own losses (a class or function of ``keras``, a
+    ``LossFunctionWrapper`` around one), whose value for a row depends on that row alone."""
+    def keras_module(obj):
+        return (getattr(obj, "__module__", None) or "").split(".")[0] == "keras"
+
+    if isinstance(loss, keras.losses.Loss):
+        if not keras_module(type(loss)):
+            return False
+        fn = getattr(loss, "fn", None)
+        return fn is None or keras_module(fn)
+    return keras_module(loss)
 
 
 def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=None) -> Callable:
@@ -69,18 +83,18 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
         entries = [((None, None), _loss_callable(loss), _weight(loss_weights, None, None))]
 
     def per_example_loss(y_true, y_pred, sample_weight=None):
+        if isinstance(sample_weight, (dict, list, tuple)):
+            raise ValueError(
+                "Per-output sample weights (a dict or list of them) are not supported by "
+                "tf_dp's private step: pass one sample weight per example (or per time step) "
+                "for all outputs.")
         total = None
-        for where, (fn, within_sum), weight in entries:
+        for where, (fn, within_sum, own), weight in entries:
             yt, yp = _output(y_true, *where), _output(y_pred, *where)
-            values = _unreduced(fn, yt, yp, within_sum)
+            values = _unreduced(fn, yt, yp, within_sum, own, sample_weight)
             if weight is not None:
                 values = values * weight
             total = values if total is None else total + values
-        if sample_weight is not None:
-            sample_weight = tf.cast(sample_weight, total.dtype)
-            sample_weight = tf.reshape(sample_weight, [tf.shape(sample_weight)[0], -1])
-            # A per-example weight; per-time-step weights are averaged to one per example.
-            total = total * tf.reduce_mean(sample_weight, axis=1)
         return total
 
     return per_example_loss
@@ -109,26 +123,70 @@ def _output(y, key, index):
     return y[0 if index is None else index]
 
 
-def _unreduced(fn, y_true, y_pred, within_sum):
+def _keras_mask(y_pred):
+    """The Keras mask a layer attached to ``y_pred`` (Keras 3.15 no longer exports
+    ``keras.backend.get_keras_mask``; the mask was then silently ignored)."""
+    get = getattr(keras.backend, "get_keras_mask", None)
+    if get is None:
+        try:
+            from keras.src.backend import get_keras_mask as get  # noqa: PLC0415
+        except ImportError:  # pragma: no cover (older Keras 3: an attribute)
+            return getattr(y_pred, "_keras_mask", None)
+    return get(y_pred)
+
+
+_SCALAR_LOSS = (
+    "The compiled `loss` returned a scalar; differentially private training needs one "
+    "loss value per example. Pass a `keras.losses.Loss` instance, a loss name, or a "
+    "function that returns a tensor of shape (batch_size, ...).")
+
+
+def _per_row(fn, y_true, y_pred):
+    """``fn`` of a custom loss evaluated on each example's row alone, a batch of one each
+    (``tf.vectorized_map``): whatever ``fn`` does, an example's loss cannot depend on another
+    example (session 21 audit: a loss that mixed the batch only for some label values
+    passed the first-batch check and let one example move the clipped sum by 4.98 C).
+    A batch of static size 1 (the vectorized strategy's examples) is evaluated as is."""
+    if y_pred.shape[0] == 1:
+        return fn(y_true, y_pred)
+    probe = tf.convert_to_tensor(fn(y_true[:1], y_pred[:1]))
+    if probe.shape.rank == 0:
+        raise ValueError(_SCALAR_LOSS)
+    return tf.vectorized_map(lambda rows: tf.convert_to_tensor(
+        fn(rows[0][None], rows[1][None]))[0], (y_true, y_pred), fallback_to_while_loop=True)
+
+
+def _unreduced(fn, y_true, y_pred, within_sum, keras_own=True, sample_weight=None):
+    """One loss value per example: ``fn``'s values over the example's own entries (time
+    steps, pixels) averaged — or summed for a ``"sum"`` reduction — with its Keras mask and
+    its per-entry sample weights applied entry by entry (per-example weights multiply)."""
     y_pred = tf.convert_to_tensor(y_pred)
     y_true = tf.convert_to_tensor(y_true)
-    mask = keras.backend.get_keras_mask(y_pred) if hasattr(keras.backend, "get_keras_mask") else None
+    mask = _keras_mask(y_pred)
     if y_true.dtype.is_floating and y_true.dtype != y_pred.dtype:
         y_true = tf.cast(y_true, y_pred.dtype)
-    values = tf.convert_to_tensor(fn(y_true, y_pred))
+    values = tf.convert_to_tensor(fn(y_true, y_pred) if keras_own
+                                  else _per_row(fn, y_true, y_pred))
     if values.shape.rank == 0:
-        raise ValueError(
-            "The compiled `loss` returned a scalar; differentially private training needs one "
-            "loss value per example. Pass a `keras.losses.Loss` instance, a loss name, or a "
-            "function that returns a tensor of shape (batch_size, ...)."
-        )
+        raise ValueError(_SCALAR_LOSS)
     values = tf.cast(values, tf.float32) if values.dtype != tf.float64 else values
     batch = tf.shape(values)[0]
+    flat = tf.reshape(values, [batch, -1])
+    per_example = None
+    if sample_weight is not None:
+        sw = tf.cast(tf.convert_to_tensor(sample_weight), values.dtype)
+        sw = tf.reshape(sw, [tf.shape(sw)[0], -1])
+        if sw.shape[1] == 1:
+            per_example = sw[:, 0]
+        else:
+            # per time step (entry), as Keras weights them: each entry's value (before, the
+            # weights' mean multiplied the values' mean, so steps of weight 0 trained)
+            flat = flat * sw
     if mask is not None:
         mask = tf.cast(tf.reshape(mask, [batch, -1]), values.dtype)
-        flat = tf.reshape(values, [batch, -1]) * mask
-        if within_sum:
-            return tf.reduce_sum(flat, axis=1)
-        return tf.math.divide_no_nan(tf.reduce_sum(flat, axis=1), tf.reduce_sum(mask, axis=1))
-    flat = tf.reshape(values, [batch, -1])
-    return tf.reduce_sum(flat, axis=1) if within_sum else tf.reduce_mean(flat, axis=1)
+        flat = flat * mask
+        out = (tf.reduce_sum(flat, axis=1) if within_sum else
+               tf.math.divide_no_nan(tf.reduce_sum(flat, axis=1), tf.reduce_sum(mask, axis=1)))
+    else:
+        out = tf.reduce_sum(flat, axis=1) if within_sum else tf.reduce_mean(flat, axis=1)
+    return out if per_example is None else out * per_example

@@ -1,0 +1,117 @@
+"""Per-example losses (`tf_dp.core.losses`): each example's loss from its own rows only, with
+Keras' masks and per-time-step weights (session 21 audit).
+
+* A custom loss (a function, or a ``keras.losses.Loss`` subclass of the user) is evaluated on
+  each example's row alone: a loss that mixed the batch only for some label values passed
+  the first-batch check and let one example move the clipped sum by 4.98 C.
+* Keras 3.15 no longer exports ``keras.backend.get_keras_mask``: masked time steps were
+  trained as if unmasked.
+* Per-time-step sample weights weighted each step's value (they were averaged and multiplied
+  the mean loss, so steps of weight 0 trained).
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from tf_dp.core import clipped_sum
+from tf_dp.core.losses import build_per_example_loss
+
+
+def _gated(y_true, y_pred):
+    """Mixes the batch only when some label exceeds 100 (no probe on ordinary data sees it)."""
+    gate = tf.stop_gradient(tf.nn.relu(tf.reduce_max(tf.abs(y_true)) - 100.0))
+    return tf.square(y_pred - y_true) + gate * y_pred
+
+
+class _GatedLoss(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return _gated(y_true, y_pred)
+
+
+@pytest.mark.parametrize("loss", [_gated, _GatedLoss()], ids=["function", "Loss subclass"])
+@pytest.mark.parametrize("strategy", ["auto", "vmap"])
+def test_a_custom_loss_that_mixes_for_some_values_keeps_one_example_within_c(loss, strategy):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    per_example = build_per_example_loss(loss)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    z_x = rng.normal(size=(1, 3)).astype(np.float32)
+    z_y = np.array([[1e4]], np.float32)  # opens the gate
+
+    def summed(xs, ys):
+        out = clipped_sum(model, xs, ys, None, per_example, 1.0, norm_strategy=strategy)
+        return np.concatenate([g.numpy().ravel() for g in out.grads])
+
+    moved = summed(np.concatenate([x, z_x]), np.concatenate([y, z_y])) - summed(x, y)
+    assert np.linalg.norm(moved) <= 1.0 + 1e-6
+
+
+def test_a_custom_loss_gives_each_example_its_own_value_and_keras_losses_are_not_mapped():
+    rng = np.random.default_rng(1)
+    y_true = rng.normal(size=(5, 3)).astype(np.float32)
+    y_pred = rng.normal(size=(5, 3)).astype(np.float32)
+
+    def centred(yt, yp):  # depends on the batch: centred by the batch mean
+        return tf.square(yp - yt - tf.reduce_mean(yp - yt, axis=0))
+
+    got = build_per_example_loss(centred)(y_true, y_pred).numpy()
+    np.testing.assert_allclose(got, np.zeros(5), atol=1e-6)  # each row centred on itself
+    mse = build_per_example_loss("mse")(y_true, y_pred).numpy()
+    np.testing.assert_allclose(mse, np.mean((y_pred - y_true) ** 2, axis=1), rtol=1e-6)
+    with pytest.raises(ValueError, match="returned a scalar"):
+        build_per_example_loss(lambda yt, yp: tf.reduce_mean(yp))(y_true, y_pred)
+
+
+def test_masked_time_steps_are_not_in_an_examples_loss():
+    """An Embedding with mask_zero: padded steps (id 0) add nothing; the loss is the mean
+    over the example's own unmasked steps."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                              keras.layers.Embedding(10, 3, mask_zero=True),
+                              keras.layers.LSTM(2, return_sequences=True)])
+    ids = np.array([[3, 4, 0, 0], [5, 6, 7, 8]], np.int32)
+    targets = np.ones((2, 4, 2), np.float32)
+    y_pred = model(ids)
+    got = build_per_example_loss("mse")(targets, y_pred).numpy()
+    squared = np.mean((y_pred.numpy() - targets) ** 2, axis=-1)
+    np.testing.assert_allclose(got, [squared[0, :2].mean(), squared[1].mean()], rtol=1e-6)
+
+
+def test_per_time_step_weights_weight_each_steps_value():
+    rng = np.random.default_rng(2)
+    y_true = rng.normal(size=(3, 4, 1)).astype(np.float32)
+    y_pred = rng.normal(size=(3, 4, 1)).astype(np.float32)
+    weights = np.array([[0, 0, 1, 1], [1, 0, 0, 0], [2, 2, 2, 2]], np.float32)
+    got = build_per_example_loss("mse")(y_true, y_pred, weights).numpy()
+    squared = ((y_pred - y_true) ** 2)[..., 0]
+    np.testing.assert_allclose(got, np.mean(squared * weights, axis=1), rtol=1e-6)
+    per_example = np.array([0.5, 1.0, 3.0], np.float32)
+    got = build_per_example_loss("mse")(y_true, y_pred, per_example).numpy()
+    np.testing.assert_allclose(got, np.mean(squared, axis=1) * per_example, rtol=1e-6)
+    with pytest.raises(ValueError, match="Per-output sample weights"):
+        build_per_example_loss("mse")(y_true, y_pred, {"a": weights})
+
+
+def test_a_custom_loss_trains_end_to_end():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                       keras.layers.Dense(1)]))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=_GatedLoss())
+    before = model.get_weights()[0].copy()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not np.array_equal(before, model.get_weights()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
