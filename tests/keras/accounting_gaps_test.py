@@ -206,6 +206,7 @@ def test_make_private_of_a_private_model_keeps_its_delta_and_target():
         tf_dp.keras.make_private(model, delta=1e-6)
     assert model.privacy_delta == 1e-6 and model.target_epsilon == 50.0
 
+
 # ---------------------------------------------------------------- #3 optimizer replacement
 
 
@@ -307,6 +308,62 @@ def test_a_shared_trunk_counts_both_heads_steps_even_after_a_model_is_gone():
     assert _phases(b) == [(1.0, 4)]
 
 
+
+
+# ---------------------------------------------------------------- session 21: who owns what
+
+
+def test_one_optimizer_instance_cannot_record_two_unrelated_models_steps():
+    """Session 21 audit: B.compile(optimizer=A's optimizer) was accepted; B's budget took
+    over the optimizer's ledger, so A's custom-loop steps were reported by B (3 steps it
+    never took) and missing from A's report. Refused; models sharing variables may share
+    (they share one budget); a recompile of the same model keeps its optimizer."""
+    x, y = _data()
+    a = _model()
+    a.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    b = tf_dp.keras.make_private(_base())
+    with pytest.raises(ValueError, match="already records the steps of another private model"):
+        b.compile(optimizer=a.optimizer, loss="mse")
+    a.compile(optimizer=a.optimizer, loss="mse")  # the same model again: fine
+    trunk = a.layers[0]
+    head = keras.Sequential([keras.Input((5,)), trunk, keras.layers.Dense(1)])
+    shared = tf_dp.keras.make_private(head)
+    with pytest.warns(UserWarning, match="also trained by another private model"):
+        shared.compile(optimizer=tf_dp.DPSGD(1.0, SIGMA, learning_rate=0.01), loss="mse")
+    assert shared.privacy_budget.current() is a.privacy_budget.current()
+
+
+def test_a_frozen_layer_another_model_trained_brings_its_steps():
+    """Session 21 audit: budgets were joined over trainable variables only, so a trunk
+    trained by A, then frozen and reused by B, left B reporting only its own steps (ε 4.21
+    for weights that had spent 6.45)."""
+    x, y = _data()
+    a = _model()
+    a.fit(x, y, batch_size=20, epochs=2, verbose=0)  # 10 steps
+    trunk = a.layers[0]
+    trunk.trainable = False
+    b = tf_dp.keras.make_private(keras.Sequential([keras.Input((5,)), trunk,
+                                                   keras.layers.Dense(1)]))
+    with pytest.warns(UserWarning, match="also trained by another private model"):
+        _compile(b)
+    b.fit(x, y, batch_size=20, epochs=1, verbose=0)  # 5 steps
+    assert b.accountant.steps == 15
+    np.testing.assert_allclose(b.epsilon(), _epsilon((0.2, 15)), rtol=1e-9)
+
+
+def test_a_reparametrized_copy_carries_the_spent_budget():
+    """Session 21 audit: tf_dp.layers.reparametrize copies every weight into a new model,
+    whose budget started at 0 (it reported 4 steps for weights that had spent 12)."""
+    from tf_dp.layers import reparametrize  # noqa: PLC0415
+
+    x, y = _data()
+    a = _model()
+    a.fit(x, y, batch_size=20, epochs=2, verbose=0)
+    copy = reparametrize(a, rank=1)
+    assert copy.accountant.steps == 10
+    _compile(copy).fit(x, y, batch_size=20, epochs=1, verbose=0)
+    assert copy.accountant.steps == 15
+    np.testing.assert_allclose(copy.epsilon(), _epsilon((0.2, 15)), rtol=1e-9)
 
 # ------------------------------------------- a declared data set size that contradicts it
 

@@ -39,6 +39,17 @@ NOT_COVERED = (
 )
 
 
+def owner_of(optimizer):
+    """The budget (in use) that drains ``optimizer``'s step ledger, or None."""
+    ledger = getattr(optimizer, "_dp_ledger", None)
+    if ledger is None:
+        return None
+    with _OWNERS_LOCK:
+        ref = _LEDGER_OWNERS.get(ledger)
+    owner = None if ref is None else ref()
+    return None if owner is None else owner.current()
+
+
 def _step_cost(mechanism):
     """An order of one step's cost among mechanisms of one optimizer (the same sigma and r):
     the sampling rate q."""

@@ -211,13 +211,16 @@ class DPTrainMixin:
         super().__setattr__(name, value)
 
     def _dp_claim_variables(self):
-        """Binds this model's trainable variables to its budget. Variables another private
+        """Binds this model's variables (trainable or not) to its budget. Variables another private
         model already trains under its own budget (``make_private`` called twice on one
         model, two private models sharing layers) carry that budget's steps too: the two
         budgets become one (``PrivacyBudget.absorb``) that both models report, with a
         warning, so that no model reports only its own share of the steps its weights had."""
         mine = self._dp_budget_obj()
-        variables = list(self.trainable_variables)
+        # Every weight the model releases, frozen ones too: a layer another private model
+        # trained and this one reuses frozen carries that model's steps (session 21 audit:
+        # its budget was left out, eps 4.21 reported for weights that had spent 6.45).
+        variables = list(self.weights)
         with _CLAIM_LOCK:
             others = []
             for v in variables:
@@ -235,9 +238,10 @@ class DPTrainMixin:
                 self._dp_budget = shared
                 mine = shared
                 warnings.warn(
-                    f"tf_dp: some trainable variables of {self.name!r} are also trained by "
-                    "another private model (make_private called twice on one model, or two "
-                    "private models sharing layers): the weights carry the steps of both, so "
+                    f"tf_dp: some weights of {self.name!r} are also trained by another "
+                    "private model (make_private called twice on one model, or two private "
+                    "models sharing layers, trainable or frozen): the weights carry the steps "
+                    "of both, so "
                     "the models now share one privacy budget that counts all of them "
                     f"({' + '.join(str(n) for n in before)} steps so far; delta "
                     f"{shared.delta:g}, target epsilon {shared.target_epsilon}).",
@@ -262,6 +266,7 @@ class DPTrainMixin:
         # draining it afterwards (a function traced before this compile still applies steps
         # through it).
         self._dp_drain()
+        _refuse_another_models_optimizer(self, _dp_optimizer_of(optimizer))
         self._dp_budget_obj().track(_dp_optimizer_of(optimizer))
         # XLA cannot compile every fallback (vectorized_map / map_fn); keep it opt-in.
         kwargs.setdefault("jit_compile", False)
@@ -1205,6 +1210,26 @@ class _ArmDeclaredStep(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         _arm_declared_step(self.model)
+
+
+def _refuse_another_models_optimizer(model, optimizer):
+    """Refuses a DP optimizer whose steps another private model's budget reads: one ledger
+    is read by one budget, so steps applied to either model would be reported by whichever
+    read it first (session 21 audit: a model reported 3 steps it never took, the other 4 of
+    the 7 its weights had). Models that share variables share one budget and may."""
+    from tf_dp.keras import budget as budget_lib  # noqa: PLC0415
+
+    owner = budget_lib.owner_of(optimizer)
+    if owner is None or owner is model._dp_budget_obj().current():
+        return
+    if model.built:
+        model._dp_claim_variables()  # shared variables join the two budgets
+        if owner is model._dp_budget_obj().current():
+            return
+    raise ValueError(
+        f"tf_dp: this {type(optimizer).__name__} already records the steps of another private "
+        "model, whose privacy budget reads them. Give each model its own optimizer instance "
+        "(e.g. type(optimizer).from_config(optimizer.get_config())).")
 
 
 def _refuse_nested(model, what):

@@ -92,7 +92,8 @@ def reparametrize(
             with ``seed = s`` the i-th swapped layer (model order) gets seed ``s + i``.
 
     Returns:
-        The new model.
+        The new model. The copy of a private model is private and carries its spent budget
+        (the weights are the same: its steps continue that record), its delta and target.
     """
     options = {
         "power_iterations": 1,
@@ -162,4 +163,25 @@ def reparametrize(
         if layer.weights:
             # Plain kernel/bias into a reparam layer resets its W0 and carriers.
             new_layer.set_weights(layer.get_weights())
-    return new_model
+    return _carry_budget(model, new_model)
+
+
+def _carry_budget(source, copy):
+    """The copy holds the source's weights, so it carries the source's spent budget (the
+    same history: the copy's own steps continue it); the copy of a private model is private
+    (Keras clones a DPSequential as a plain Sequential). Session 21 audit: the copy of a
+    model that had spent 8 steps reported only its own 4 (eps 4.21 for weights that had
+    spent 6.45). Returns the copy."""
+    spent = getattr(source, "privacy_budget", None)
+    if spent is None:
+        return copy
+    drain = getattr(source, "_dp_drain", None)
+    if drain is not None:
+        drain()
+    if not hasattr(copy, "privacy_budget"):
+        from tf_dp.keras import make_private  # noqa: PLC0415 (a cycle)
+
+        copy = make_private(copy, delta=source.privacy_delta,
+                            target_epsilon=source.target_epsilon)
+    copy.privacy_budget.merge(spent.get_config())
+    return copy
