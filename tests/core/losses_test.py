@@ -100,6 +100,23 @@ def test_per_time_step_weights_weight_each_steps_value():
         build_per_example_loss("mse")(y_true, y_pred, {"a": weights})
 
 
+
+def test_several_outputs_take_the_loss_and_weights_as_keras_does():
+    """Session 21 audit: one loss on a model of two outputs reached only the first output,
+    and a dict of loss weights beside a list of losses was ignored (Keras applies one loss
+    to every output and reads weights by output name)."""
+    rng = np.random.default_rng(4)
+    ya, yb, pa, pb = (rng.normal(size=(4, 2)).astype(np.float32) for _ in range(4))
+    mse_a, mse_b = np.mean((pa - ya) ** 2, axis=1), np.mean((pb - yb) ** 2, axis=1)
+    names = ["a", "b"]
+    got = build_per_example_loss("mse", output_names=names)([ya, yb], [pa, pb]).numpy()
+    np.testing.assert_allclose(got, mse_a + mse_b, rtol=1e-6)
+    got = build_per_example_loss(["mse", "mse"], {"a": 1.0, "b": 3.0}, names)(
+        [ya, yb], [pa, pb]).numpy()
+    np.testing.assert_allclose(got, mse_a + 3 * mse_b, rtol=1e-6)
+    got = build_per_example_loss("mse", output_names=["a"])(ya, pa).numpy()
+    np.testing.assert_allclose(got, mse_a, rtol=1e-6)
+
 def test_a_custom_loss_trains_end_to_end():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(64, 3)).astype(np.float32)

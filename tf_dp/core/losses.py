@@ -77,8 +77,13 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
                     _weight(loss_weights, k, names.index(k))) for k, v in loss.items()
                    if v is not None]
     elif isinstance(loss, (list, tuple)):
-        entries = [((None, i), _loss_callable(v), _weight(loss_weights, None, i))
+        entries = [((None, i), _loss_callable(v), _weight(loss_weights, _name(output_names, i), i))
                    for i, v in enumerate(loss) if v is not None]
+    elif output_names is not None and len(output_names) > 1:
+        # One loss for a model of several outputs: Keras applies it to every output and sums
+        # (tf_dp applied it to the first output only).
+        entries = [((None, i), _loss_callable(loss), _weight(loss_weights, output_names[i], i))
+                   for i in range(len(output_names))]
     else:
         entries = [((None, None), _loss_callable(loss), _weight(loss_weights, None, None))]
 
@@ -100,8 +105,13 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
     return per_example_loss
 
 
+def _name(output_names, index):
+    return None if output_names is None or index >= len(output_names) else output_names[index]
+
+
 def _weight(loss_weights, key, index):
-    """The weight of the output named ``key`` (a dict loss) at position ``index``."""
+    """The weight of the output named ``key`` at position ``index`` (a dict of weights is
+    read by name, as Keras does, also for a list of losses)."""
     if loss_weights is None:
         return None
     if isinstance(loss_weights, dict):
