@@ -54,6 +54,46 @@ def test_a_custom_loss_that_mixes_for_some_values_keeps_one_example_within_c(los
     assert np.linalg.norm(moved) <= 1.0 + 1e-6
 
 
+
+def test_keras_own_losses_are_known_by_identity_not_by_module_name():
+    """Session 21 review: a Keras loss instance whose ``call`` was replaced, or a user class
+    claiming ``__module__ = "keras.losses"``, counted as Keras' own and ran on the whole
+    batch (9.9 C with the gated loss). Only the classes and functions keras.losses exports,
+    unmodified, do."""
+    from tf_dp.core.losses import _is_keras_own  # noqa: PLC0415
+
+    assert _is_keras_own(keras.losses.MeanSquaredError())
+    assert _is_keras_own(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert _is_keras_own(keras.losses.mean_squared_error)
+    assert _is_keras_own(keras.losses.get("mse"))
+    replaced = keras.losses.MeanSquaredError()
+    replaced.call = _gated
+    assert not _is_keras_own(replaced)
+    swapped = keras.losses.MeanSquaredError()
+    swapped.fn = _gated
+    assert not _is_keras_own(swapped)
+
+    class Pretender(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return _gated(y_true, y_pred)
+
+    Pretender.__module__ = "keras.losses"
+    assert not _is_keras_own(Pretender())
+    assert not _is_keras_own(keras.ops.mean)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+
+    def summed(xs, ys):
+        out = clipped_sum(model, xs, ys, None, build_per_example_loss(replaced), 1.0)
+        return np.concatenate([g.numpy().ravel() for g in out.grads])
+
+    moved = summed(np.concatenate([x, x[:1]]), np.concatenate([y, [[1e4]]])) - summed(x, y)
+    assert np.linalg.norm(moved) <= 1.0 + 1e-6
+
 def test_a_custom_loss_gives_each_example_its_own_value_and_keras_losses_are_not_mapped():
     rng = np.random.default_rng(1)
     y_true = rng.normal(size=(5, 3)).astype(np.float32)
@@ -116,6 +156,84 @@ def test_several_outputs_take_the_loss_and_weights_as_keras_does():
     np.testing.assert_allclose(got, mse_a + 3 * mse_b, rtol=1e-6)
     got = build_per_example_loss("mse", output_names=["a"])(ya, pa).numpy()
     np.testing.assert_allclose(got, mse_a, rtol=1e-6)
+
+
+class _Gated(keras.layers.Layer):
+    """Per example: if its first feature is positive, each of its two parts is gated by a
+    sigmoid of itself (scaled), else passed through; then a shared weight, a minus b."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(1, 1), initializer="zeros", name="w")
+
+    def call(self, x):
+        a, b = x[:, 0], x[:, 1]
+        ga, gb = tf.cond(tf.reduce_all(a[:, 0] > 0),
+                         lambda: (tf.sigmoid(a * 1e-9), tf.sigmoid(b * 1e-9)),
+                         lambda: (tf.ones_like(a), tf.ones_like(b)))
+        return tf.matmul(ga * a, self.w) - tf.matmul(gb * b, self.w)
+
+
+def _crafted_branch_attack(model, clip, crafted_count=7):
+    """||S(D + z) - S(D)|| / C with 7 crafted examples (two inputs an ulp apart at 7.7e8,
+    their gradient mostly rounding) taking a per-example branch, and z taking it ahead of
+    them: vectorized, the branch's rows were 15 (the crafted ones in Eigen's scalar tail of
+    sigmoid) or 16 (none), and each crafted gradient flipped (14 C, session 21 audit)."""
+    rng = np.random.default_rng(0)
+    labels = lambda n: np.zeros((n, 1), np.float32)  # noqa: E731
+    weights = [w.numpy() for w in model.trainable_variables]
+
+    def summed(x):
+        for v, w in zip(model.trainable_variables, weights):
+            v.assign(w)
+        out = clipped_sum(model, tf.constant(x), tf.constant(labels(len(x))), None,
+                          build_per_example_loss(lambda yt, yp: yp[:, 0]), clip,
+                          norm_strategy="vmap")
+        return np.concatenate([g.numpy().ravel() for g in out.grads])
+
+    u = np.full((crafted_count, 1), 7.7120666e+08, np.float32)
+    crafted = np.stack([u, np.nextafter(u, np.float32(np.inf))], 1)
+    others = rng.normal(size=(17, 2, 1)).astype(np.float32)
+    others[0, 0, 0] = -1.0
+    others[1:, 0, 0] = np.abs(others[1:, 0, 0]) + 0.1
+    d = np.concatenate([others[:16 - crafted_count], crafted])
+    dz = np.concatenate([d[:-crafted_count], others[-1:], d[-crafted_count:]])
+    return np.linalg.norm(summed(dz) - summed(d)) / clip
+
+
+def test_a_per_example_branch_runs_each_example_on_its_own_row_under_vmap():
+    """The vectorized strategy's examples run in a loop when pfor would partition them by a
+    per-example branch (tf_dp.core.vmap._vectorized_per_example)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2, 1)), _Gated()])
+    assert _crafted_branch_attack(model, 10.0) <= 1.0 + 1e-6
+
+
+def test_a_custom_loss_that_branches_per_example_runs_in_a_loop_and_state_is_refused():
+    """A custom loss with a per-example tf.cond is vectorized by pfor into partitions of
+    rows (the same 14 C as above on the default strategy): it runs in a loop over examples.
+    A loss that writes state from the data is refused (it carried z's label into the other
+    examples' losses: 9.9 C under the vectorized strategy, session 21 audit)."""
+    def branching(y_true, y_pred):
+        return tf.cond(tf.reduce_all(y_true > 0), lambda: tf.sigmoid(y_pred),
+                       lambda: y_pred)[:, 0]
+
+    rng = np.random.default_rng(1)
+    y_true = np.abs(rng.normal(size=(5, 1))).astype(np.float32)
+    y_pred = rng.normal(size=(5, 1)).astype(np.float32)
+    y_true[2] = -1.0
+    got = build_per_example_loss(branching)(y_true, y_pred).numpy()
+    want = np.where(y_true[:, 0] > 0, 1 / (1 + np.exp(-y_pred[:, 0])), y_pred[:, 0])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    state = tf.Variable(1.0, trainable=False)
+
+    def stateful(y_true, y_pred):
+        running = state.assign(tf.maximum(state, tf.reduce_max(y_true)))
+        return tf.square(y_pred - y_true)[:, 0] * running
+
+    for rows in (5, 1):  # batched, and one example at a time (the vectorized strategy)
+        with pytest.raises(ValueError, match="writes state"):
+            build_per_example_loss(stateful)(y_true[:rows], y_pred[:rows])
 
 def test_a_custom_loss_trains_end_to_end():
     rng = np.random.default_rng(3)

@@ -31,18 +31,35 @@ def _loss_callable(loss: Any) -> tuple[Callable, bool, bool]:
     )
 
 
-def _is_keras_own(loss) -> bool:
-    """Whether ``loss`` is one of Keras' own losses (a class or function of ``keras``, a
-    ``LossFunctionWrapper`` around one), whose value for a row depends on that row alone."""
-    def keras_module(obj):
-        return (getattr(obj, "__module__", None) or "").split(".")[0] == "keras"
+def _keras_losses():
+    """(classes, functions) that ``keras.losses`` exports: Keras' own losses."""
+    members = [getattr(keras.losses, name) for name in dir(keras.losses)
+               if not name.startswith("_")]
+    classes = {m for m in members if isinstance(m, type) and issubclass(m, keras.losses.Loss)
+               and m is not keras.losses.Loss}
+    functions = {m for m in members if callable(m) and not isinstance(m, type)}
+    return classes, functions
 
+
+_KERAS_LOSSES = None
+
+
+def _is_keras_own(loss) -> bool:
+    """Whether ``loss`` is one of Keras' own losses, whose value for a row depends on that
+    row alone: an instance of a class ``keras.losses`` exports (exactly, not a subclass, with
+    its own ``call``), or a function it exports, or a ``LossFunctionWrapper`` of one. By
+    identity, not by module name (session 21 audit: a Keras loss instance whose ``call`` was
+    replaced, or a user class claiming ``__module__ = "keras.losses"``, ran on the batch)."""
+    global _KERAS_LOSSES
+    if _KERAS_LOSSES is None:
+        _KERAS_LOSSES = _keras_losses()
+    classes, functions = _KERAS_LOSSES
     if isinstance(loss, keras.losses.Loss):
-        if not keras_module(type(loss)):
+        if "call" in vars(loss) or type(loss) not in classes:
             return False
-        fn = getattr(loss, "fn", None)
-        return fn is None or keras_module(fn)
-    return keras_module(loss)
+        fn = getattr(loss, "fn", None)  # Keras' function-backed losses: their function too
+        return fn is None or fn in functions
+    return loss in functions
 
 
 def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=None) -> Callable:
@@ -151,19 +168,67 @@ _SCALAR_LOSS = (
     "function that returns a tensor of shape (batch_size, ...).")
 
 
+#: ops that write state: a loss holding state written from the data carries one example's
+#: values into the others' losses (session 21 audit: 9.9 C under the vectorized strategy)
+_STATE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                 "ResourceScatterUpdate", "ResourceScatterAdd", "ResourceScatterSub",
+                 "ResourceScatterNdUpdate", "ResourceScatterNdAdd", "TensorArrayWriteV3")
+#: ops whose work, once vectorized over examples, runs on a subset of rows that follows the
+#: other examples (pfor partitions the rows of a per-example branch or loop): the kernels'
+#: rounding may then follow them too (session 21 audit: 14 C through a sigmoid's SIMD tail)
+_ROW_DEPENDENT = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+                  "Where", "Unique", "UniqueV2", "DynamicPartition")
+
+_LOSS_OPS = {}
+
+
+def _loss_ops(fn, y_true, y_pred):
+    """The op types of ``fn`` traced on one example (nested functions included), cached."""
+    key = (id(fn), tuple(y_true.shape[1:]), y_true.dtype, tuple(y_pred.shape[1:]),
+           y_pred.dtype)
+    if key not in _LOSS_OPS:
+        with tf.init_scope():
+            graph = tf.function(lambda yt, yp: fn(yt, yp), autograph=True).get_concrete_function(
+                tf.TensorSpec([1] + y_true.shape[1:].as_list(), y_true.dtype),
+                tf.TensorSpec([1] + y_pred.shape[1:].as_list(), y_pred.dtype)).graph
+            ops = {op.type for op in graph.get_operations()}
+            for f in graph.as_graph_def().library.function:
+                ops.update(node.op for node in f.node_def)
+        _LOSS_OPS[key] = (fn, ops)  # (fn kept alive: its id is not reused)
+    return _LOSS_OPS[key][1]
+
+
 def _per_row(fn, y_true, y_pred):
-    """``fn`` of a custom loss evaluated on each example's row alone, a batch of one each
-    (``tf.vectorized_map``): whatever ``fn`` does, an example's loss cannot depend on another
-    example (session 21 audit: a loss that mixed the batch only for some label values
-    passed the first-batch check and let one example move the clipped sum by 4.98 C).
-    A batch of static size 1 (the vectorized strategy's examples) is evaluated as is."""
+    """``fn`` of a custom loss evaluated on each example's rows alone, a batch of one each:
+    whatever ``fn`` does, an example's loss cannot depend on another example (session 21
+    audit: a loss that mixed the batch only for some label values passed the first-batch
+    check and let one example move the clipped sum by 4.98 C).
+
+    Straight-line losses are vectorized (``tf.vectorized_map``). A loss that branches or
+    loops per example, or makes shapes from values, runs in a loop over examples
+    (``tf.map_fn``): vectorized, its work would run on a subset of rows whose size follows
+    the other examples. A loss that writes state is refused. A batch of static size 1 (the
+    vectorized strategy's examples) is evaluated as is."""
+    ops = _loss_ops(fn, y_true, y_pred)
+    writes = sorted(ops.intersection(_STATE_WRITES))
+    if writes:
+        raise ValueError(
+            f"The compiled `loss` writes state ({', '.join(writes)}): a loss that keeps state "
+            "written from the data carries one example's values into the other examples' "
+            "losses, beyond what clipping bounds. Compute the loss from (y_true, y_pred) alone.")
     if y_pred.shape[0] == 1:
         return fn(y_true, y_pred)
     probe = tf.convert_to_tensor(fn(y_true[:1], y_pred[:1]))
     if probe.shape.rank == 0:
         raise ValueError(_SCALAR_LOSS)
-    return tf.vectorized_map(lambda rows: tf.convert_to_tensor(
-        fn(rows[0][None], rows[1][None]))[0], (y_true, y_pred), fallback_to_while_loop=True)
+
+    def one(rows):
+        return tf.convert_to_tensor(fn(rows[0][None], rows[1][None]))[0]
+
+    if ops.intersection(_ROW_DEPENDENT):
+        return tf.map_fn(one, (y_true, y_pred), fn_output_signature=tf.TensorSpec(
+            probe.shape[1:], probe.dtype))
+    return tf.vectorized_map(one, (y_true, y_pred), fallback_to_while_loop=True)
 
 
 def _unreduced(fn, y_true, y_pred, within_sum, keras_own=True, sample_weight=None):
