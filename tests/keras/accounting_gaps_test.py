@@ -139,6 +139,29 @@ def test_a_callbacks_own_steps_during_fit_are_accounted_at_q_1():
     np.testing.assert_allclose(model.epsilon(), _epsilon((0.2, 5), (1.0, 6)), rtol=1e-9)
 
 
+
+def test_a_target_holds_when_a_callback_runs_steps_of_its_own():
+    """Session 21 audit: fit's step limit was costed for its own steps, so a callback's own
+    full-batch steps (accounted at q = 1) took ε to 15.7 for a target of 3.0. A callback's
+    step that would exceed the target is refused, and fit re-costs its steps after one."""
+    x, y = _data(256)
+    full = (tf.constant(x), tf.constant(y))
+    refused = []
+
+    class Extra(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch % 4 == 0:
+                try:
+                    self.model.train_function(iter([full]))
+                except RuntimeError as err:
+                    refused.append(str(err))
+
+    model = _compile(tf_dp.keras.make_private(_base(), target_epsilon=3.0), sigma=4.0)
+    model.fit(x, y, batch_size=16, epochs=30, verbose=0, callbacks=[Extra()])
+    assert model.epsilon() <= 3.0
+    assert any(q == 1.0 for q, _ in _phases(model))  # the callback's steps ran, and count
+    assert not refused or "would exceed the target epsilon" in refused[0]
+
 @pytest.mark.parametrize("inner", ["fit", "train_on_batch"])
 def test_fit_or_train_on_batch_from_a_callback_during_fit_is_refused(inner):
     """Session 21 audit: a fit called from a callback re-declared the sampling, and the

@@ -578,11 +578,16 @@ class DPTrainMixin:
         # Last: nothing runs between its on_train_batch_begin and Keras' own call of the train
         # function, the one call that takes fit's sampling (make_train_function).
         callbacks.append(_ArmDeclaredStep())
+        object.__setattr__(self, "_dp_fit_mechanisms",
+                           [opt.mechanism(p) for p in (q if scheduled else [q])])
+        object.__setattr__(self, "_dp_unplanned_steps", False)
+        object.__setattr__(self, "_dp_fit_allowance", None)
         try:
             with _declared_sampling(self):
                 return super().fit(epochs=epochs, verbose=verbose, callbacks=callbacks,
                                    validation_data=validation_data, **fit_args, **kwargs)
         finally:
+            object.__setattr__(self, "_dp_fit_mechanisms", None)
             self._dp_drain()
             for journal in journals:
                 journal.settle()
@@ -706,8 +711,22 @@ class DPTrainMixin:
         def train_function(iterator):
             armed = self.__dict__.get("_dp_armed", False)
             object.__setattr__(self, "_dp_armed", False)  # one call per arming, even if it raises
-            if armed and self.__dict__.get("_dp_in_keras_loop", False):
+            in_loop = self.__dict__.get("_dp_in_keras_loop", False)
+            if armed and in_loop:
+                _stop_if_the_target_is_reached(self)
                 return declared(iterator)
+            if in_loop:
+                # A step of a callback's own during fit (q = 1): within the target, and fit
+                # re-costs its own steps after it (session 21 audit: fit's step limit,
+                # counted for its own steps, let callback steps take eps to 15.7 for a
+                # target of 3.0).
+                self._dp_drain()
+                if self._dp_remaining_steps(_dp_optimizer_of(self.optimizer).mechanism(1.0)) == 0:
+                    raise RuntimeError(
+                        f"tf_dp: another step would exceed the target epsilon "
+                        f"{self.target_epsilon:g} at delta {self.privacy_delta:g}; a callback's "
+                        "own step during fit was not run.")
+                object.__setattr__(self, "_dp_unplanned_steps", True)
             if not undeclared:
                 undeclared.append(self._make_function(self.train_step))
             return undeclared[0](iterator)
@@ -1195,6 +1214,33 @@ class _declared_sampling:
         object.__setattr__(self._model, "_dp_in_keras_loop", False)
         object.__setattr__(self._model, "_dp_armed", False)
         return False
+
+
+def _stop_if_the_target_is_reached(model):
+    """Before a call of fit's own steps: once steps fit did not plan ran (a callback's own),
+    fit's step limit is stale; from then on every call is checked against the budget as it
+    is, at the costliest mechanism fit's steps may take. When it no longer affords one
+    call's steps, training stops here (Keras ends the epoch on StopIteration, then sees
+    ``stop_training``)."""
+    mechanisms = model.__dict__.get("_dp_fit_mechanisms")
+    if not mechanisms:
+        return
+    per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    if model.__dict__.get("_dp_unplanned_steps", False):
+        object.__setattr__(model, "_dp_unplanned_steps", False)
+        model._dp_drain()
+        costliest = max(mechanisms, key=lambda m: m[1])
+        object.__setattr__(model, "_dp_fit_allowance", model._dp_remaining_steps(costliest))
+    allowance = model.__dict__.get("_dp_fit_allowance")
+    if allowance is None:
+        return
+    if allowance < per_call:
+        model.stop_training = True
+        _LOG.warning("tf_dp: stopping: steps run outside fit's plan (a callback's own) leave "
+                     "too little of the target epsilon %g for another step.",
+                     model.target_epsilon)
+        raise StopIteration
+    object.__setattr__(model, "_dp_fit_allowance", allowance - per_call)
 
 
 def _arm_declared_step(model):
