@@ -189,6 +189,28 @@ def test_a_sampler_dataset_starts_its_schedule_at_first_step():
             sampler.dataset(num_steps=1, first_step=bad)
 
 
+def _built_private():
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    model.build((None, 4))
+    return model
+
+
+def _crashed_at(step, x, y, schedule, backup):
+    """A private model whose fit (BackupAndRestore in ``backup``, every batch) crashed
+    after its optimizer's ``step``-th step."""
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == step:
+                raise RuntimeError("simulated crash")
+
+    model = _built_private()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    return model
+
+
 def test_a_run_restored_by_backup_and_restore_resumes_its_schedule(tmp_path):
     # A killed run restarted with the same BackupAndRestore directory: the restored step
     # count (read after the restore, when the first batch is drawn) places the new steps in
@@ -199,25 +221,10 @@ def test_a_run_restored_by_backup_and_restore_resumes_its_schedule(tmp_path):
     y = rng.normal(size=(n, 1)).astype("float32")
     schedule = PiecewiseBatchSize([4], [20, 80])
 
-    def build():
-        model = tf_dp.keras.make_private(_model())
-        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
-                      loss="mse")
-        model.build((None, 4))
-        return model
-
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations) == 5:
-                raise RuntimeError("simulated crash")
-
     backup = str(tmp_path / "backup")
-    first = build()
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        first.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    first = _crashed_at(5, x, y, schedule, backup)
     assert int(first.optimizer.iterations) == 5
-    second = build()
+    second = _built_private()
     second.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
                callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
     q0, q1 = exact_rate(20 / n), exact_rate(80 / n)
@@ -252,13 +259,7 @@ def test_a_target_is_costed_from_where_a_second_fit_continues_the_schedule(tmp_p
     schedule = PiecewiseBatchSize([4], [4, 32])  # q = 1/16, then 1/2
     q0, q1 = exact_rate(4 / n), exact_rate(32 / n)
 
-    def build():
-        model = tf_dp.keras.make_private(_model())
-        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
-                      loss="mse")
-        return model
-
-    model = build()
+    model = _built_private()
     model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=6, verbose=0)
     target = model.epsilon() + 1.0
     model.target_epsilon = target
@@ -271,7 +272,7 @@ def test_a_target_is_costed_from_where_a_second_fit_continues_the_schedule(tmp_p
     assert _phases(model) == [(q0, 4), (q1, steps - 4)]
 
     # A dataset the user made from a scheduled sampler: every step costed at q1.
-    model = build()
+    model = _built_private()
     model.fit(x, y, batch_size=schedule, epochs=1, steps_per_epoch=2, verbose=0)
     model.target_epsilon = model.epsilon() + 3.0
     sampler = PoissonSampler(x, y, expected_batch_size=schedule)
@@ -295,27 +296,12 @@ def test_a_target_is_costed_again_where_backup_and_restore_resumes_the_schedule(
     schedule = PiecewiseBatchSize([8], [4, 32])  # q = 1/16 for 8 steps, then 1/2
     q0, q1 = exact_rate(4 / n), exact_rate(32 / n)
 
-    def build():
-        model = tf_dp.keras.make_private(_model())
-        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
-                      loss="mse")
-        model.build((None, 4))
-        return model
-
-    class Crash(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations) == 9:
-                raise RuntimeError("simulated crash")
-
     backup = str(tmp_path / "backup")
-    first = build()
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        first.fit(x, y, batch_size=schedule, epochs=3, steps_per_epoch=3, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    first = _crashed_at(9, x, y, schedule, backup)
     assert _phases(first) == [(q0, 8), (q1, 1)]
     # room for 2 more steps at q1 (costed from step 0 instead: 3 at q0 ... more than that)
     target = _scheduled_composition(n, schedule, 0, 11) + 1e-9
-    second = build()
+    second = _built_private()
     second.target_epsilon = target
     second.fit(x, y, batch_size=schedule, epochs=5, steps_per_epoch=3, verbose=0,
                callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])

@@ -58,15 +58,20 @@ def _crafted(rng):
     return u, np.nextafter(u, np.float32(np.inf)).astype(np.float32)
 
 
+def _crafted_among_70(strategy, seed):
+    """(the shared convolution's clipped-sum runner with nothing clipped, a crafted example,
+    70 ordinary examples)."""
+    summed = _runner(_shared_conv(), 1e30, strategy)
+    rng = np.random.default_rng(seed)
+    e = _crafted(rng)
+    return summed, e, [rng.normal(size=(70,) + SHAPE).astype(np.float32) for _ in range(2)]
+
+
 @pytest.mark.parametrize("strategy", ["ghost", "jl"])
 def test_a_crafted_examples_gradient_is_the_same_in_every_batch_size(strategy):
     """The crafted example's own gradient (weight 1, the others weight 0, nothing clipped)
     is bit-identical for B = 1 .. 70 (70: two chunks)."""
-    model = _shared_conv()
-    summed = _runner(model, 1e30, strategy)
-    rng = np.random.default_rng(1)
-    e = _crafted(rng)
-    others = [rng.normal(size=(70,) + SHAPE).astype(np.float32) for _ in range(2)]
+    summed, e, others = _crafted_among_70(strategy, seed=1)
     reference = None
     for n in (1, 2, 3, 5, 8, 17, 33, 64, 65, 70):
         a, b = (np.concatenate([e[k], others[k][:n - 1]]) for k in range(2))
@@ -84,11 +89,7 @@ def test_a_crafted_examples_gradient_is_the_same_at_every_position_of_the_batch(
     must not depend on its position either: at B = 70 (two convolution chunks of 64 rows),
     the crafted example's own gradient is bit-identical at positions on both sides of the
     chunk boundary and at the last row (a kernel's remainder rows)."""
-    model = _shared_conv()
-    summed = _runner(model, 1e30, strategy)
-    rng = np.random.default_rng(4)
-    e = _crafted(rng)
-    others = [rng.normal(size=(70,) + SHAPE).astype(np.float32) for _ in range(2)]
+    summed, e, others = _crafted_among_70(strategy, seed=4)
     reference = None
     for position in (0, 1, 7, 8, 31, 63, 64, 65, 69):
         a, b = (others[k].copy() for k in range(2))
