@@ -202,7 +202,7 @@ def _crafted_branch_attack(model, clip, crafted_count=7):
 
 def test_a_per_example_branch_runs_each_example_on_its_own_row_under_vmap():
     """The vectorized strategy's examples run in a loop when pfor would partition them by a
-    per-example branch (tf_dp.core.vmap._vectorized_per_example)."""
+    per-example branch (tf_dp.core.vmap.vectorized_per_example)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((2, 1)), _Gated()])
     assert _crafted_branch_attack(model, 10.0) <= 1.0 + 1e-6

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from tf_dp.core.vmap import vectorized_per_example
+
 _SUM_REDUCTIONS = ("sum",)
 
 
@@ -173,29 +175,25 @@ _SCALAR_LOSS = (
 _STATE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
                  "ResourceScatterUpdate", "ResourceScatterAdd", "ResourceScatterSub",
                  "ResourceScatterNdUpdate", "ResourceScatterNdAdd", "TensorArrayWriteV3")
-#: ops whose work, once vectorized over examples, runs on a subset of rows that follows the
-#: other examples (pfor partitions the rows of a per-example branch or loop): the kernels'
-#: rounding may then follow them too (session 21 audit: 14 C through a sigmoid's SIMD tail)
-_ROW_DEPENDENT = ("If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
-                  "Where", "Unique", "UniqueV2", "DynamicPartition")
-
-_LOSS_OPS = {}
+_LOSS_TRACES = {}
 
 
-def _loss_ops(fn, y_true, y_pred):
-    """The op types of ``fn`` traced on one example (nested functions included), cached."""
+def _loss_trace(fn, y_true, y_pred):
+    """(op types, output) of ``fn`` traced on one example (nested functions included; the
+    output a symbolic tensor of its shape and dtype), cached per fn and shapes."""
     key = (id(fn), tuple(y_true.shape[1:]), y_true.dtype, tuple(y_pred.shape[1:]),
            y_pred.dtype)
-    if key not in _LOSS_OPS:
+    if key not in _LOSS_TRACES:
         with tf.init_scope():
-            graph = tf.function(lambda yt, yp: fn(yt, yp), autograph=True).get_concrete_function(
+            concrete = tf.function(lambda yt, yp: tf.convert_to_tensor(fn(yt, yp)),
+                                   autograph=True).get_concrete_function(
                 tf.TensorSpec([1] + y_true.shape[1:].as_list(), y_true.dtype),
-                tf.TensorSpec([1] + y_pred.shape[1:].as_list(), y_pred.dtype)).graph
-            ops = {op.type for op in graph.get_operations()}
-            for f in graph.as_graph_def().library.function:
+                tf.TensorSpec([1] + y_pred.shape[1:].as_list(), y_pred.dtype))
+            ops = {op.type for op in concrete.graph.get_operations()}
+            for f in concrete.graph.as_graph_def().library.function:
                 ops.update(node.op for node in f.node_def)
-        _LOSS_OPS[key] = (fn, ops)  # (fn kept alive: its id is not reused)
-    return _LOSS_OPS[key][1]
+        _LOSS_TRACES[key] = (fn, ops, concrete.structured_outputs)  # (fn kept: its id stays)
+    return _LOSS_TRACES[key][1:]
 
 
 def _per_row(fn, y_true, y_pred):
@@ -204,31 +202,31 @@ def _per_row(fn, y_true, y_pred):
     audit: a loss that mixed the batch only for some label values passed the first-batch
     check and let one example move the clipped sum by 4.98 C).
 
-    Straight-line losses are vectorized (``tf.vectorized_map``). A loss that branches or
-    loops per example, or makes shapes from values, runs in a loop over examples
-    (``tf.map_fn``): vectorized, its work would run on a subset of rows whose size follows
-    the other examples. A loss that writes state is refused. A batch of static size 1 (the
-    vectorized strategy's examples) is evaluated as is."""
-    ops = _loss_ops(fn, y_true, y_pred)
+    Vectorized (``vmap.vectorized_per_example``) unless pfor partitions the examples (a
+    branch or loop per example would run on a subset of rows whose size follows the other
+    examples): then in a loop over examples (``tf.map_fn``). A loss that writes state is
+    refused. A batch of static size 1 (the vectorized strategy's examples) is evaluated as
+    is."""
+    ops, output = _loss_trace(fn, y_true, y_pred)
     writes = sorted(ops.intersection(_STATE_WRITES))
     if writes:
         raise ValueError(
             f"The compiled `loss` writes state ({', '.join(writes)}): a loss that keeps state "
             "written from the data carries one example's values into the other examples' "
             "losses, beyond what clipping bounds. Compute the loss from (y_true, y_pred) alone.")
+    if output.shape.rank == 0:
+        raise ValueError(_SCALAR_LOSS)
     if y_pred.shape[0] == 1:
         return fn(y_true, y_pred)
-    probe = tf.convert_to_tensor(fn(y_true[:1], y_pred[:1]))
-    if probe.shape.rank == 0:
-        raise ValueError(_SCALAR_LOSS)
 
     def one(rows):
         return tf.convert_to_tensor(fn(rows[0][None], rows[1][None]))[0]
 
-    if ops.intersection(_ROW_DEPENDENT):
-        return tf.map_fn(one, (y_true, y_pred), fn_output_signature=tf.TensorSpec(
-            probe.shape[1:], probe.dtype))
-    return tf.vectorized_map(one, (y_true, y_pred), fallback_to_while_loop=True)
+    values = vectorized_per_example(one, (y_true, y_pred))
+    if values is None:
+        values = tf.map_fn(one, (y_true, y_pred), fn_output_signature=tf.TensorSpec(
+            output.shape[1:], output.dtype))
+    return values
 
 
 def _unreduced(fn, y_true, y_pred, within_sum, keras_own=True, sample_weight=None):

@@ -272,7 +272,7 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
         try:
             with vectorizable(model), _quiet_pfor_fallbacks(), _internals.pfor_converters(
                     _PFOR_OVERRIDES):
-                result = _vectorized_per_example(one, elems)
+                result = vectorized_per_example(one, elems)
             if result is not None:
                 return _as_rows(result, sparse)
             _log.info("tf_dp: the per-example computation branches or loops per example; "
@@ -286,14 +286,15 @@ def per_example_gradients(model, per_example_loss, x, y, sample_weight, variable
     return _as_rows(_loop(one, elems, model, variables), sparse)
 
 
-def _vectorized_per_example(one, elems):
+def vectorized_per_example(one, elems):
     """``tf.vectorized_map(one, elems)``, or None where pfor partitioned the examples: a
     branch (``tf.cond``) or loop whose predicate differs per example runs on the subset of
     rows that take it (``DynamicPartition``), a tensor whose size and each row's index in it
     follow the other examples, and kernels round a row by both (Eigen's scalar path for a
     tensor's last partial SIMD packet). Session 21 audit: a custom layer with a per-example
-    ``tf.cond`` let one example move the vectorized strategy's clipped sum by 14 C. A loop
-    over examples (``tf.map_fn``) runs every example's branch on its own row."""
+    ``tf.cond`` let one example move the vectorized strategy's clipped sum by 14 C (and a
+    custom loss, ``losses._per_row``). A loop over examples (``tf.map_fn``) runs every
+    example's branch on its own row."""
     if tf.executing_eagerly():
         traced = tf.function(lambda e: tf.vectorized_map(one, e, fallback_to_while_loop=True))
         concrete = traced.get_concrete_function(elems)

@@ -50,10 +50,10 @@ def owner_of(optimizer):
     return None if owner is None else owner.current()
 
 
-def _step_cost(mechanism):
-    """An order of one step's cost among mechanisms of one optimizer (the same sigma and r):
-    the sampling rate q."""
-    return mechanism[1]
+def costliest(mechanisms):
+    """The costliest step among mechanisms of one optimizer (the same sigma and r): the one
+    of the largest sampling rate q."""
+    return max(mechanisms, key=lambda mechanism: mechanism[1])
 
 
 def _sampling_assumption(caveats):
@@ -264,7 +264,7 @@ class PrivacyBudget:
             return None
         if boundaries is not None:
             if start is None:
-                return self.remaining_steps(max(mechanism, key=_step_cost))
+                return self.remaining_steps(costliest(mechanism))
             return self._remaining_scheduled(mechanism, list(boundaries), int(start))
         sigma, q, r = mechanism
         return max_additional_steps(self.accountant, self.target_epsilon, self.delta,

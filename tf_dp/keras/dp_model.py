@@ -16,6 +16,7 @@ from tf_dp import _internals, _validation
 from tf_dp.core import losses as losses_lib
 from tf_dp.core import carriers, clipping, ghost, independence, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
+from tf_dp.keras import budget as budget_lib
 from tf_dp.keras.budget import PrivacyBudget
 from tf_dp.keras import steering
 from tf_dp.keras.budget_journal import journals_for
@@ -1229,8 +1230,8 @@ def _stop_if_the_target_is_reached(model):
     if model.__dict__.get("_dp_unplanned_steps", False):
         object.__setattr__(model, "_dp_unplanned_steps", False)
         model._dp_drain()
-        costliest = max(mechanisms, key=lambda m: m[1])
-        object.__setattr__(model, "_dp_fit_allowance", model._dp_remaining_steps(costliest))
+        object.__setattr__(model, "_dp_fit_allowance", model._dp_remaining_steps(
+            budget_lib.costliest(mechanisms)))
     allowance = model.__dict__.get("_dp_fit_allowance")
     if allowance is None:
         return
@@ -1263,8 +1264,6 @@ def _refuse_another_models_optimizer(model, optimizer):
     is read by one budget, so steps applied to either model would be reported by whichever
     read it first (session 21 audit: a model reported 3 steps it never took, the other 4 of
     the 7 its weights had). Models that share variables share one budget and may."""
-    from tf_dp.keras import budget as budget_lib  # noqa: PLC0415
-
     owner = budget_lib.owner_of(optimizer)
     if owner is None or owner is model._dp_budget_obj().current():
         return
