@@ -1087,7 +1087,8 @@ def _warn_rows_unchecked(reason, stacklevel=5):
     warnings.warn("tf_dp: could not check that the layers with ghost-norm rules see the "
                   f"batch's examples in order as their rows: {reason}. A layer fed a "
                   "transposed or batch-permuted tensor would be clipped per row, not per "
-                  "example (norm_strategy=\"vmap\" does not rely on rows).", UserWarning,
+                  "example (norm_strategy=\"vmap\" does not rely on rows), so a private "
+                  "model's report is voided (caveat UNCHECKED).", UserWarning,
                   stacklevel=stacklevel)
 
 
@@ -1338,8 +1339,9 @@ def _sublayers(layer):
 
 def _warn_unchecked(reason, stacklevel=5):
     warnings.warn(f"tf_dp: could not check that the model treats examples independently: "
-                  f"{reason}. A layer that mixes the examples of a batch would void the "
-                  "privacy guarantee.", UserWarning, stacklevel=stacklevel)
+                  f"{reason}. A layer that mixes the examples of a batch would break the "
+                  "clip bound, so a private model's report is voided (caveat UNCHECKED).",
+                  UserWarning, stacklevel=stacklevel)
 
 
 # ------------------------------------------------------------------ adapted preprocessing

@@ -18,7 +18,7 @@ from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
-           "XLA_BATCH_SHAPES")
+           "XLA_BATCH_SHAPES", "UNCHECKED")
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained

@@ -132,9 +132,10 @@ class DPTrainMixin:
         ``guarantee_holds`` is False when a caveat voids the proof for the released model: a
         seeded optimizer or sampler (anyone with the seed removes the noise), fixed batches
         (accounted as if Poisson-sampled), preprocessing adapted on data (its statistics
-        are in the model, outside epsilon) or a callback that steered training with a
+        are in the model, outside epsilon), a callback that steered training with a
         metric of the training data (``EarlyStopping(monitor='loss')``: its decision is
-        outside epsilon). Sampling declared by the user
+        outside epsilon), or a model the checks for mixing examples could not compare
+        (``UNCHECKED``). Sampling declared by the user
         (``sampling_probability=``) is a caveat the report lists but cannot check.
         """
         return self.privacy_budget.report(self._dp_clipping_description())
@@ -1438,8 +1439,11 @@ _PER_EXAMPLE_CAVEAT = (
 _UNCHECKED_CAVEAT = (
     "UNCHECKED: tf_dp could not run its checks that the model treats the examples of a batch "
     "independently and writes no state from the data (fit's warning says why: input that "
-    "cannot be read ahead, fewer than two rows, a forward pass that cannot be replayed); the "
-    "guarantee assumes the model does (docs/privacy.md).")
+    "cannot be read ahead, fewer than two rows, a forward pass that cannot be replayed), so "
+    "the guarantee is not established: a model that mixes examples moves the clipped sum by "
+    "more than the clipping norm. Remove the cause the warning names (pass arrays or a "
+    "PoissonSampler, draw randomness from keras.random with a SeedGenerator) and train again "
+    "(docs/privacy.md).")
 
 _STATE_CAVEAT = (
     "STATE_ASSUMED: {what}. tf_dp checked on "
