@@ -91,5 +91,53 @@ def test_the_vectorized_path_bounds_the_value_dependent_mixing():
     assert worst <= clip * (1 + 1e-6), worst / clip
 
 
+def test_class_weights_from_the_labels_break_the_bound_and_class_weight_is_noted():
+    # Session 22: class weights computed from the training labels (inverse frequencies, the
+    # common recipe) let one example change the weight of every example of its class. Five
+    # examples of class 1 among 100: removing z raises the other four's weight from 10 to
+    # 12.4, each unclipped, while z itself (opposite, clipped) takes away C.
+    model = keras.Sequential([keras.Input((1,)),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    loss = build_per_example_loss("mse")
+    clip = 1.0
+    labels = np.array([0] * 95 + [1] * 5)
+    x = (labels == 1).astype(np.float32)[:, None]  # class 0: no gradient
+    target = 0.999 * clip / (2 * 99 / (2 * 4))  # the four others at 0.999 C without z
+    y = np.where(labels == 1, -target, 0.0).astype(np.float32)[:, None]
+    y[95] = 100.0  # z: opposite, clipped
+
+    def weighted_sum(rows):
+        counts = np.bincount(labels[rows], minlength=2)
+        w = (len(rows) / (2.0 * counts))[labels[rows]].astype(np.float32)
+        out = clipped_sum(model, tf.constant(x[rows]), tf.constant(y[rows]), tf.constant(w),
+                          loss, clip).grads
+        return np.concatenate([np.ravel(g.numpy()) for g in out])
+
+    everyone = np.arange(100)
+    gap = np.linalg.norm(weighted_sum(everyone) - weighted_sum(everyone[everyone != 95]))
+    assert gap > 1.7 * clip, gap / clip  # one example moved the sum by 1.77 C
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(40, 3)).astype(np.float32), rng.integers(0, 2, 40).astype(np.int32)
+    private = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                         keras.layers.Dense(2)]))
+    private.compile(optimizer=tf_dp.DPSGD(1.0, 1.0),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match="class_weight was given"):
+        private.fit(x, y, batch_size=8, class_weight={0: 0.67, 1: 2.0}, verbose=0)
+    (noted,) = [c for c in private.privacy_caveats if c.startswith("CLASS_WEIGHT_ASSUMED")]
+    assert "public" in noted
+    assert private.privacy_report()["guarantee_holds"] is True  # the caller's word, noted
+    again = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                       keras.layers.Dense(2)]))
+    again.compile(optimizer=tf_dp.DPSGD(1.0, 1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match="class_weight was given"):
+        again.train_on_batch(x[:8], y[:8], class_weight={0: 1.0, 1: 3.0})
+    assert any(c.startswith("CLASS_WEIGHT_ASSUMED") for c in again.privacy_caveats)
+    again.fit(x, y, batch_size=8, verbose=0)  # no class_weight: nothing new to note
+    assert len([c for c in again.privacy_caveats if c.startswith("CLASS_WEIGHT")]) == 1
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

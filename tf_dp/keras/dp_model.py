@@ -366,6 +366,7 @@ class DPTrainMixin:
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
+        _note_class_weight(self, kwargs.get("class_weight"))
         self._dp_drain()
         _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling)
         callbacks = steering.flatten(callbacks)
@@ -610,6 +611,7 @@ class DPTrainMixin:
                 f"tf_dp: another step would exceed the target epsilon {self.target_epsilon:g} "
                 f"at delta {self.privacy_delta:g}; not training.")
         self._dp_check_model(x, y, sample_weight)
+        _note_class_weight(self, class_weight)
         self._dp_without_xla_where_it_aborts(opt.accumulation_steps)
         self._dp_set_sampling(None, 1.0, poisson=False)
         try:
@@ -1043,6 +1045,16 @@ def _check_fixed_batch_shape_input(x, poisson_sampling, schedule):
                          "in a fit of its own.")
 
 
+def _note_class_weight(model, class_weight):
+    """``class_weight`` is the caller's word that it does not come from the training data
+    (a warning and the non-voiding caveat ``CLASS_WEIGHT_ASSUMED``)."""
+    if class_weight is None:
+        return
+    model._dp_caveat(_CLASS_WEIGHT_CAVEAT)
+    warnings.warn("tf_dp: " + _CLASS_WEIGHT_CAVEAT[len("CLASS_WEIGHT_ASSUMED: "):],
+                  UserWarning, stacklevel=3)
+
+
 def _class_weights(y, class_weight):
     """Per-example weights of ``class_weight`` (a dict class -> weight) for labels ``y``, as
     Keras forms them: one-hot rows by their argmax, other labels rounded; absent classes 1."""
@@ -1435,6 +1447,13 @@ _PER_EXAMPLE_CAVEAT = (
     "values passes that check, so the guarantee assumes this code never mixes examples. "
     "norm_strategy='vmap' runs every example alone and needs no such assumption "
     "(docs/privacy.md).")
+
+_CLASS_WEIGHT_CAVEAT = (
+    "CLASS_WEIGHT_ASSUMED: class_weight was given. Weights computed from the training labels "
+    "(inverse class frequencies) are a statistic of the data outside epsilon, and one "
+    "example then changes the weight of every example of its class, so its influence on the "
+    "clipped sum is not bounded by the clipping norm; the guarantee assumes the weights come "
+    "from public information (docs/privacy.md).")
 
 _UNCHECKED_CAVEAT = (
     "UNCHECKED: tf_dp could not run its checks that the model treats the examples of a batch "
