@@ -326,6 +326,30 @@ class _Checker:
         self.rtol = rtol
 
     def run(self, xs, ys, n):
+        # One trace with an unknown batch size serves every pass (RNNs run ~20x slower
+        # eagerly than traced).
+        compiled = self._compiled(xs, ys)
+        run_pass = _padded(compiled, n)
+        try:
+            # Every variable the pass reads or writes, before any pass runs (tracing runs
+            # none): the state before the data touched it.
+            watched = self._watch(run_pass.variables(xs, ys, np.ones(n)))
+            start = [_snapshot(v) for v in watched]
+            finite = _finite_rows(run_pass, xs, ys, n)
+        except Exception as err:  # noqa: BLE001 - the private step will report it properly
+            _warn_unchecked(f"the model could not be called on {n} rows ({err})")
+            return False  # nothing compared: the model must not be marked as checked
+        if len(finite) < n:
+            # An example whose pass overflows (0 * inf is NaN in the weighted sums) would
+            # leave nothing comparable, so whether the check ran would tell it was among the
+            # probe rows (session 22 audit); the private step gives it factor 0. The check
+            # runs on the other rows.
+            if len(finite) < 2:
+                _warn_unchecked("fewer than 2 of the probe rows have a finite output, loss "
+                                "and gradient")
+                return False
+            xs, ys, n = _take(xs, finite), _take(ys, finite), len(finite)
+            run_pass = _padded(compiled, n)
         h = n // 2
         coef = np.random.default_rng(0x1D).uniform(0.5, 1.5, size=n)
         first, second = list(range(h)), list(range(h, n))
@@ -336,18 +360,12 @@ class _Checker:
             # the batch) are seen here.
             _Comparison("when the other examples of the batch were replaced",
                         [second[i % (n - h)] for i in range(h)] + second, second),
-            _Comparison(f"when the batch shrank from {n} to {h} examples (a layer that "
-                        "depends on the batch size, e.g. divides by it, mixes examples too)",
+            _Comparison(f"when the batch changed from {n} to {h} examples, padded to a "
+                        "larger size (a layer that depends on the batch size, e.g. divides "
+                        "by it, mixes examples too)",
                         first, first, removal=True),
         ]
-        # One trace with an unknown batch size serves every pass (RNNs run ~20x slower
-        # eagerly than traced).
-        run_pass = self._compiled(xs, ys)
         try:
-            # Every variable the pass reads or writes, before any pass runs (tracing runs
-            # none): the state before the data touched it.
-            watched = self._watch(run_pass.variables(xs, ys, _masked(coef, first)))
-            start = [_snapshot(v) for v in watched]
             refs = {"first": run_pass(xs, ys, _masked(coef, first)),
                     "second": run_pass(xs, ys, _masked(coef, second))}
         except Exception as err:  # noqa: BLE001 - the private step will report it properly
@@ -359,12 +377,13 @@ class _Checker:
             ref = refs["first" if comp.rows == first else "second"]
             try:
                 got = run_pass(_take(xs, comp.index), _take(ys, comp.index),
-                               _masked(coef[comp.index], comp.rows))
+                               _masked(coef[comp.index], comp.rows), grown=comp.removal)
             except Exception as err:  # noqa: BLE001
                 if not comp.removal:
                     raise
-                _warn_unchecked(f"the model could not be called on {h} rows ({err}); only "
-                                f"batches of {n} rows were compared")
+                _warn_unchecked(f"the model could not be called on {h} rows padded to a "
+                                f"larger batch ({err}); only batches of {n} rows were "
+                                "compared")
                 continue
             diff = self._differs(ref, got, comp.rows)
             if diff is None:
@@ -379,9 +398,10 @@ class _Checker:
                 # any batch size (true of Keras' stateless ops); confirm without them.
                 stochastic_off = True
                 with _stochastic_layers_off(self.model):
-                    run_off = self._compiled(xs, ys)
+                    run_off = _padded(self._compiled(xs, ys), n)
                     ref = run_off(xs, ys, _masked(coef, first))
-                    got = run_off(_take(xs, first), _take(ys, first), _masked(coef[first], first))
+                    got = run_off(_take(xs, first), _take(ys, first), _masked(coef[first], first),
+                                  grown=True)
                 diff = self._differs(ref, got, comp.rows)
                 if diff is None:
                     continue
@@ -571,6 +591,68 @@ def _state_message(model, variable, n):
             "with the model (weights, checkpoints, saved files), and it feeds later steps, so "
             f"the reported epsilon would not hold.{stateful} Compute such statistics outside "
             "training (on public data), or remove the write.")
+
+
+def _padded(run_pass, n):
+    """``run_pass`` on batches padded as the private step pads them (copies of their first
+    row, coefficient 0, to a multiple of 16 rows and at least 16): below 16 rows, and between
+    sizes that are not multiples of 16, TensorFlow's CPU kernels round a row differently for
+    different batch sizes. Comparing unpadded passes of 8 and 4 rows, a crafted example made
+    the check refuse a per-example model whenever it was among the probe rows: membership
+    revealed by whether training started (session 22 audit). Every pass has the reference
+    batch's padded size (``n`` rows) unless ``run(..., grown=True)``: one multiple of 16
+    more, the second size the removal comparison needs to see a layer that depends on the
+    batch size. Outputs and losses come back with the real rows only (tensors whose leading
+    axis is not the batch's are kept)."""
+    from tf_dp.core import private_step
+
+    reference = private_step.padded_row_count(n)
+
+    def run(x, y, coef, grown=False):
+        m = _num_rows(x)
+        rows = max(reference + (private_step.ROW_MULTIPLE if grown else 0),
+                   private_step.padded_row_count(m))
+        if rows > m:
+            index = list(range(m)) + [0] * (rows - m)
+            x, y = _take(x, index), _take(y, index)
+            coef = np.concatenate([np.asarray(coef, np.float64), np.zeros(rows - m)])
+        result = run_pass(x, y, coef)
+        return _Pass([_head(t, m, rows) for t in result.outputs], _head(result.losses, m, rows),
+                     result.grads)
+
+    def variables(x, y, coef):
+        return run_pass.variables(x, y, coef)
+
+    run.variables = variables
+    return run
+
+
+def _head(t, m, rows):
+    """The first ``m`` rows of ``t`` if its leading axis has the padded batch's ``rows``."""
+    if rows == m or _leading(t) != rows:
+        return t
+    return t[:m]
+
+
+def _finite_rows(run_pass, xs, ys, n):
+    """The probe rows whose output, loss and gradient are finite (all of them, unless a pass
+    on the whole batch is not: then each row alone)."""
+    if _finite_pass(run_pass(xs, ys, np.ones(n))):
+        return list(range(n))
+    return [i for i in range(n)
+            if _finite_pass(run_pass(_take(xs, [i]), _take(ys, [i]), np.ones(1)))]
+
+
+def _finite_pass(result):
+    def finite(t):
+        if isinstance(t, tf.RaggedTensor):
+            t = t.flat_values
+        if not tf.is_tensor(t) or not t.dtype.is_floating:
+            return True
+        return bool(tf.reduce_all(tf.math.is_finite(t)))
+
+    return all(finite(t) for t in [*result.outputs, result.losses, *result.grads]
+               if t is not None)
 
 
 def _masked(coef, rows):
@@ -859,8 +941,21 @@ class _RowChecker:
 
     def run(self, xs, ys):
         n = _num_rows(xs)
-        donors = _donors(xs, n)
         run = self._runner(xs, ys)
+        try:
+            finite = self._finite_rows(run, xs, ys, n)
+        except Exception as err:  # noqa: BLE001 - the private step will report it properly
+            _warn_rows_unchecked(f"the model could not be called on {n} rows ({err})")
+            return False
+        if len(finite) < n:
+            # As in the per-example check: a row whose pass overflows is left out, so that
+            # whether the check could compare does not tell it was among the probe rows.
+            if len(finite) < 2:
+                _warn_rows_unchecked("fewer than 2 of the probe rows have finite values and "
+                                     "gradients")
+                return False
+            return self.run(_take(xs, finite), _take(ys, finite))
+        donors = _donors(xs, n)
         other_sizes = self._check_size(run, xs, ys, n, n, donors)
         if other_sizes is None:
             return False
@@ -910,6 +1005,16 @@ class _RowChecker:
             return set()
         return {size for size in (_leading(t) for t in ref.values)
                 if size is not None and size >= 2 and size != s}
+
+    @staticmethod
+    def _finite_rows(run, xs, ys, n):
+        def finite(result):
+            return _finite_pass(_Pass(result.values, None, result.grads_1))
+
+        if finite(run(xs, ys, np.ones(n), np.ones(n))):
+            return list(range(n))
+        return [i for i in range(n)
+                if finite(run(_take(xs, [i]), _take(ys, [i]), np.ones(1), np.ones(1)))]
 
     def _ratios(self, s):
         """Distinct ratios rho_k, in a random order. Under float16/bfloat16 they
@@ -1052,7 +1157,8 @@ def _changed(a, b, rtol, floor=0.0):
         return np.zeros(0, bool)
     scale = np.max(norm[np.isfinite(norm)], initial=0.0)
     with np.errstate(invalid="ignore"):
-        return diff > rtol ** 2 * norm + (rtol / 10) ** 2 * scale + floor
+        # Not "diff > bound": a NaN difference is a change, not a match.
+        return ~(diff <= rtol ** 2 * norm + (rtol / 10) ** 2 * scale + floor)
 
 
 def _subsets(s):
