@@ -42,6 +42,11 @@ def test_fit_logs_stable_rank_and_residuals_that_match_numpy(caplog):
     with caplog.at_level(logging.WARNING, logger="tf_dp"):
         history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
     assert sum("NOT covered" in r.getMessage() for r in caplog.records) == 1  # one warning
+    # Session 22 audit: the logs are named in the privacy report too (not voiding: the
+    # model is unaffected; its analysis batch here is training data, so the logs are not).
+    (noted,) = [c for c in model.privacy_caveats if c.startswith("ANALYSIS_LOGS")]
+    assert "GradientGeometry" in noted and "outside epsilon" in noted
+    assert model.privacy_report()["guarantee_holds"] is True
     logs = history.history
     for name in ("conv", "hidden", "logits"):
         assert len(logs[f"stable_rank/{name}"]) == 2

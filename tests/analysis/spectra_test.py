@@ -222,6 +222,8 @@ def test_gradient_spectrum_streams_the_batch_gradient(caplog):
     with caplog.at_level(logging.WARNING, logger="tf_dp"):
         history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[spectrum])
     assert sum("NOT covered" in r.getMessage() for r in caplog.records) == 1
+    assert any(c.startswith("ANALYSIS_LOGS") and "GradientSpectrum" in c
+               for c in model.privacy_caveats)  # named in the report (session 22 audit)
     steps = model.optimizer.iterations.numpy()
     assert spectrum.pca.num_vectors == steps // 2 and spectrum.pca.dim == 2 * 9 + 2
     assert spectrum.variable_paths == [v.path for v in model.get_layer("conv").trainable_variables]

@@ -376,6 +376,7 @@ class DPTrainMixin:
             # A warning whatever `verbose`: the decision is outside epsilon.
             self._dp_caveat(caveat)
             warnings.warn("tf_dp: " + caveat, UserWarning, stacklevel=2)
+        _note_analysis_callbacks(self, callbacks)
         # Before anything is computed from the spent budget: the steps a killed process
         # applied after its last backup are in its budget journal (write-ahead record).
         journals = journals_for(callbacks)
@@ -988,6 +989,12 @@ class DPTrainMixin:
             self.optimizer.build(self.trainable_variables)
 
 
+_ANALYSIS_CAVEAT = (
+    "ANALYSIS_LOGS: {names} logged statistics of the raw (unclipped, un-noised) gradient of "
+    "its analysis batch into the training logs (History, CSVLogger, TensorBoard). If that "
+    "batch is private data, those logs are outside epsilon: keep them out of anything you "
+    "release, or give the callback public data. The model itself is unaffected.")
+
 _EXACT_SNR_CAVEAT = (
     "EXACT_GRADIENT_SNR: fit(gradient_snr='exact') logged the norm of the un-noised clipped "
     "gradient sum of every step, a statistic of the training data outside epsilon; use "
@@ -1043,6 +1050,18 @@ def _check_fixed_batch_shape_input(x, poisson_sampling, schedule):
         raise ValueError("`fixed_batch_shape=True` is not supported with a batch-size "
                          "schedule (its phases have sizes of their own); train each phase "
                          "in a fit of its own.")
+
+
+def _note_analysis_callbacks(model, callbacks):
+    """tf_dp.analysis callbacks log statistics of the raw gradient of their own batch into
+    History: named in the report (``ANALYSIS_LOGS``, non-voiding, as ``EXACT_GRADIENT_SNR``:
+    the model is unaffected; the logs are outside epsilon if that batch is private)."""
+    from tf_dp.analysis import GradientGeometry, GradientSpectrum
+
+    names = sorted({type(c).__name__ for c in callbacks
+                    if isinstance(c, (GradientGeometry, GradientSpectrum))})
+    if names:
+        model._dp_caveat(_ANALYSIS_CAVEAT.format(names=", ".join(names)))
 
 
 def _note_class_weight(model, class_weight):
