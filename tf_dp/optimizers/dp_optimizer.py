@@ -389,11 +389,6 @@ class DPOptimizerMixin:
         if carrier is not None:
             noise = [n if m is None else n * tf.cast(m, n.dtype)
                      for n, m in zip(noise, carrier.noise_masks)]
-        snr = None
-        if gradient_snr is not None:
-            masks = (carrier.noise_masks if carrier is not None else [None] * len(noise))
-            snr = gradient_snr_of(gradient_snr, clipped_sums, noise, masks, sigma, clip,
-                                  ctx)
         # Sum, noise and normalisation in the sums' dtype (float64 from the private step:
         # ghost.SUM_DTYPE), then ONE rounding to the variables' dtype: a function of the
         # noised sum alone (post-processing), never a rounding of the sum before its noise.
@@ -407,6 +402,13 @@ class DPOptimizerMixin:
         scale = 1.0 / tf.cast(expected_batch_size, tf.float64)
         grads = [tf.cast(g * tf.cast(scale, g.dtype), v.dtype)
                  for g, v in zip(noised, variables)]
+        snr = None
+        if gradient_snr is not None:
+            masks = (carrier.noise_masks if carrier is not None else [None] * len(noise))
+            # "private" from the released (rounded) update itself, times the public divisor.
+            released = [tf.cast(g, tf.float64) / scale for g in grads]
+            snr = gradient_snr_of(gradient_snr, clipped_sums, noise, masks, sigma, clip,
+                                  ctx, released=released)
         if carrier is not None:
             grads, variables = carrier.to_trainable(grads, variables)
         if extra_gradients:
@@ -552,7 +554,7 @@ def _first_replica_on_this_worker(ctx, replica_id):
     return tf.cast(tf.equal(local, 0), tf.float32)
 
 
-def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None):
+def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None, released=None):
     """The gradient signal-to-noise ratio of one logical step (Anil et al., "Large-Scale
     Differentially Private BERT", 2021, §5.2.1), over the privatized coordinates:
 
@@ -563,7 +565,10 @@ def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None):
     * "private": ``sqrt(max(0, ||S + n||^2 - E||n||^2)) / sqrt(E||n||^2)`` with
       ``E||n||^2 = sigma^2 C^2 d`` (d the noised coordinates): post-processing of the noised
       update only, so covered by the guarantee; an unbiased estimate of ``||S||^2`` in the
-      numerator, noisy when the SNR is small.
+      numerator, noisy when the SNR is small. Given ``released`` (the update as released,
+      rounded to the variables' dtype, times the public divisor; all-reduced already),
+      ``S + n`` is read from it: a function of the released update alone (session 22 audit:
+      it was read from the float64 sum before that rounding).
 
     Both are ``inf`` without noise. Under a distribution strategy the sums are all-reduced
     first (one more all-reduce of the gradient: enable it for analysis runs).
@@ -578,7 +583,8 @@ def gradient_snr_of(kind, clipped_sums, noise, masks, sigma, clip, ctx=None):
         signal_sq = sq([reduce(g) for g in clipped_sums])
         noise_sq = reduce(sq(noise))
     else:
-        noisy_sq = sq([reduce(g + n) for g, n in zip(clipped_sums, noise)])
+        noisy_sq = (sq(released) if released is not None
+                    else sq([reduce(g + n) for g, n in zip(clipped_sums, noise)]))
         dims = tf.add_n([f64(tf.size(g)) if m is None
                          else tf.reduce_sum(f64(tf.ones_like(g)) * f64(m))
                          for g, m in zip(clipped_sums, masks)])
