@@ -381,9 +381,10 @@ class _Checker:
             except Exception as err:  # noqa: BLE001
                 if not comp.removal:
                     raise
-                _warn_unchecked(f"the model could not be called on {h} rows padded to a "
-                                f"larger batch ({err}); only batches of {n} rows were "
-                                "compared")
+                warnings.warn(f"tf_dp: the per-example check could not call the model on "
+                              f"{h} rows padded to a larger batch ({err}); only batches of "
+                              f"{n} rows were compared, so a layer that depends on the batch "
+                              "size would go unnoticed.", UserWarning, stacklevel=5)
                 continue
             diff = self._differs(ref, got, comp.rows)
             if diff is None:
