@@ -153,7 +153,7 @@ class PrivacyAccountant:
         if self._has_noiseless_step():
             return composition.Bounds(math.inf, math.inf, 0.0, True, _NOISELESS)
         margin = composition.horizon_margin(self.steps, delta)
-        return composition.refine(
+        b = composition.refine(
             self._phases,
             delta_floor=1e-2 * delta,
             query=lambda p: pld.epsilon_for_delta(p, delta),
@@ -163,6 +163,19 @@ class PrivacyAccountant:
             # Heavy (JL) tails put mass just above ε: leave room for it (P(L > 1.25 ε) < δ).
             horizon=lambda u: u + max(margin, 0.25 * u),
         )
+        if not b.converged:
+            # Where the numerical composition could not certify the tolerance (or failed: FFT
+            # round-off at tiny δ, overflow at 1e8 steps), RDP's ε is also a valid upper
+            # bound for Gaussian steps: the smaller of the two is reported.
+            from tf_dp.accounting import functions
+
+            rdp = functions.rdp_epsilon_for_phases(self._phases, delta)
+            if rdp < b.upper:
+                lower = b.lower if math.isfinite(b.lower) else 0.0
+                return composition.Bounds(
+                    min(max(lower, 0.0), rdp), rdp, b.discretization, False,
+                    (b.reason + "; " if b.reason else "") + f"reported: RDP's ε {rdp:.6g}")
+        return b
 
     def epsilon(self, delta: float) -> float:
         """Smallest ε (pessimistic, within tolerance) such that the run is (ε, δ)-DP.
@@ -202,11 +215,16 @@ class PrivacyAccountant:
         horizon = lambda u: epsilon + max(  # noqa: E731
             composition.horizon_margin(steps, max(u, 1e-12)), 0.25 * epsilon
         )
-        b = composition.refine(self._phases, 1e-12, query, max, tol, horizon=horizon)
+        limit = lambda u: 0.5 * tol(u)  # noqa: E731
+        b = composition.refine(self._phases, 1e-12, query, max, tol, horizon=horizon,
+                               roundoff_limit=limit)
         if b.lower > 1e-9:  # the tail can be cut closer to the answer: finer lattice
-            b2 = composition.refine(self._phases, 1e-3 * b.lower, query, max, tol, horizon=horizon)
+            b2 = composition.refine(self._phases, 1e-3 * b.lower, query, max, tol, horizon=horizon,
+                                    roundoff_limit=limit)
             if b2.upper <= b.upper:
                 b = b2
+        if b.upper > 1.0:  # a failed pass bounds nothing: δ ≤ 1 is the trivial bound
+            b = composition.Bounds(max(b.lower, 0.0), 1.0, b.discretization, False, b.reason)
         return b
 
     def delta(self, epsilon: float) -> float:

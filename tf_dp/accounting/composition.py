@@ -435,6 +435,29 @@ def _initial_discretization(caps: Sequence[float], phases: Sequence[Phase] = ())
     return max(1e-3, 2.0 * max(reach) / (1 << 15))
 
 
+#: An optimistic answer above the pessimistic one by more than this (relative) is a failure of
+#: the arithmetic, not a converged bracket.
+_CROSSING_SLACK = 1e-9
+
+
+def numerical_failure(plds, lower: float, upper: float, delta_floor: float) -> str:
+    """Why a pass's composed PLDs cannot be trusted, in words ("" if they can): a PMF that is
+    not finite, FFT round-off whose δ error exceeds ``delta_floor`` (the δ resolution the query
+    needs: 1e-2 δ for an ε query, half the tolerance for a δ query), or an optimistic answer
+    above the pessimistic one."""
+    for u, l in plds.values():
+        if not (pld.finite(u) and pld.finite(l)):
+            return "the composed distribution overflowed (not finite)"
+        roundoff = max(u.roundoff, l.roundoff)
+        if roundoff > delta_floor:
+            return (f"the composition's FFT round-off (about {roundoff:.2g} in δ) is not below "
+                    f"the δ resolved ({delta_floor:.2g})")
+    if math.isfinite(upper) and lower > upper + _CROSSING_SLACK * max(1.0, abs(upper)):
+        return (f"the optimistic result {lower:.6g} exceeds the pessimistic {upper:.6g} "
+                "(numerical error)")
+    return ""
+
+
 def refine(
     phases: Sequence[Phase],
     delta_floor: float,
@@ -444,6 +467,7 @@ def refine(
     discretization: Optional[float] = None,
     horizon: Optional[Callable[[float], float]] = None,
     target: Optional[Callable[[float], float]] = None,
+    roundoff_limit: Optional[Callable[[float], float]] = None,
 ) -> Bounds:
     """Computes a query on the composed PLDs, refining Δ until the bounds are within tolerance.
 
@@ -463,6 +487,9 @@ def refine(
         optimistic side drops up to j_max bulk steps, a gap no lattice closes: JL r = 5 at the
         issue's setting keeps a 2.5e-4 relative bracket from Δ = 2e-3 down to 7.5e-5). None: stop
         at `tolerance`.
+      roundoff_limit: the largest FFT round-off, in δ, a pass may carry, as a function of its
+        upper result (None: `delta_floor`); a pass beyond it, or not finite, or whose bounds
+        cross, ends the refinement without being used (`numerical_failure`).
 
     Returns:
       `Bounds`.
@@ -474,9 +501,23 @@ def refine(
     width = math.inf
     while True:
         plds = composed_plds(phases, delta_step, caps, limit)
-        # Every pass gives valid bounds: keep the tightest of all passes.
-        upper = min(upper, combine([query(u) for u, _ in plds.values()]))
-        lower = max(lower, combine([query(l) for _, l in plds.values()]))
+        pass_upper = combine([query(u) for u, _ in plds.values()])
+        pass_lower = combine([query(l) for _, l in plds.values()])
+        resolution = (roundoff_limit(pass_upper) if roundoff_limit is not None
+                      else delta_floor)
+        failure = numerical_failure(plds, pass_lower, pass_upper, resolution)
+        if failure:
+            # A pass whose arithmetic failed bounds nothing: it must not lower the upper bound
+            # (session 22 audit: NaN PMFs at 1e8 steps gave ε = 0, "converged"; FFT round-off
+            # at δ = 1e-12 gave an ε 0.8 below the exact one). Finer lattices only make it
+            # worse: stop with what the sound passes gave (if any).
+            reason = (f"{failure} at Δ = {delta_step:.3g}" if math.isinf(upper)
+                      else f"refinement stopped: {failure} at Δ = {delta_step:.3g}")
+            within = math.isfinite(upper) and upper - lower <= tolerance(upper)
+            return Bounds(lower, upper, delta_step, within, reason)
+        # Every sound pass gives valid bounds: keep the tightest of all passes.
+        upper = min(upper, pass_upper)
+        lower = max(lower, pass_lower)
         lower = min(lower, upper)
         reason = ""
         if math.isinf(upper):

@@ -1,0 +1,98 @@
+"""The accountant never reports an ε below the true one when its arithmetic fails (session 22).
+
+An audit found two ways the numerical composition under-reported:
+
+* **Overflow at 1e8 steps.** One-step masses that sum to slightly more than 1 make the FFT
+  power overflow; on the NaN PMF the ε query returned 0, and the refinement kept that 0 as
+  "the tightest pass": ε = 0, converged, for a run whose exact ε is 4.38.
+* **FFT round-off at tiny δ.** At δ = 1e-12 the clipped round-off of the composed PMF is
+  read as tail mass: ε 128.12 reported for an exact 128.94 (the true δ there 1.74× the δ
+  asked), with a bracket collapsed to one point and marked converged; the δ query gave
+  0.58× the exact δ.
+
+A pass whose PMF is not finite, whose FFT round-off exceeds the δ resolution of the query,
+or whose optimistic answer exceeds its pessimistic one now bounds nothing; refinement stops
+with the sound passes, and for Gaussian steps RDP's ε (a valid upper bound) is reported when
+it is smaller. At q = 1 the references are exact: T Gaussian steps are the Gaussian
+mechanism with mu = sqrt(T) / sigma.
+"""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+from scipy import optimize, special
+
+from tf_dp import accounting
+from tf_dp.accounting import pld
+
+
+def _log_gaussian_delta(eps, mu):
+    """log δ(ε) of the Gaussian mechanism with parameter mu, stable at δ ~ 1e-12."""
+    a = special.log_ndtr(-eps / mu + mu / 2)
+    b = eps + special.log_ndtr(-eps / mu - mu / 2)
+    return a + math.log1p(-math.exp(b - a))
+
+
+def _exact_epsilon(sigma, steps, delta):
+    mu = math.sqrt(steps) / sigma
+    return optimize.brentq(lambda e: _log_gaussian_delta(e, mu) - math.log(delta), 1e-9, 1e5,
+                           xtol=1e-10)
+
+
+def _accountant(sigma, q, steps):
+    return accounting.PrivacyAccountant().step(noise_multiplier=sigma, sampling_probability=q,
+                                               count=steps)
+
+
+@pytest.mark.parametrize("sigma, steps, delta", [
+    (1e4, 10**8, 1e-5),      # overflow: was 0.0, converged
+    (30.0, 10**5, 1e-12),    # round-off: was 128.118 for 128.940
+    (200.0, 10**5, 1e-10),   # round-off at a larger δ
+    (100.0, 10**4, 1e-5),    # an ordinary run (mu = 1): still converged and tight
+])
+def test_epsilon_at_q_1_is_never_below_the_exact_one(sigma, steps, delta):
+    bounds = _accountant(sigma, 1.0, steps).epsilon_bounds(delta)
+    exact = _exact_epsilon(sigma, steps, delta)
+    assert bounds.upper >= exact, (bounds, exact)
+    assert bounds.lower <= exact + 1e-6, (bounds, exact)
+    assert math.isfinite(bounds.upper)
+    if delta >= 1e-6 and steps <= 10**6:
+        assert bounds.converged and bounds.upper - exact < 1e-3, (bounds, exact)
+    else:
+        assert not bounds.converged and bounds.reason, bounds
+
+
+def test_a_long_subsampled_run_is_never_reported_below_a_shorter_one():
+    # σ = 5, q = 0.01: 1e8 steps reported ε = 0 "converged"; its first 1e7 steps cost 47.
+    shorter = _accountant(5.0, 0.01, 10**7).epsilon_bounds(1e-5)
+    longer = _accountant(5.0, 0.01, 10**8).epsilon_bounds(1e-5)
+    assert shorter.lower > 40
+    assert longer.upper >= shorter.lower and longer.lower >= shorter.lower * 0.99, (
+        shorter, longer)
+    # The spent budget a model reports is the valid upper end (never the failed pass).
+    assert longer.upper <= accounting.PrivacyAccountant().step(
+        noise_multiplier=5.0, sampling_probability=0.01, count=10**8).rdp_epsilon(1e-5) + 1e-9
+
+
+def test_delta_at_q_1_is_never_below_the_exact_one():
+    sigma, steps = 200.0, 10**5
+    mu = math.sqrt(steps) / sigma
+    for eps in (11.99, 8.0):
+        exact = math.exp(_log_gaussian_delta(eps, mu))
+        bounds = _accountant(sigma, 1.0, steps).delta_bounds(eps)
+        assert bounds.upper >= exact, (eps, bounds, exact)  # was 0.885x the exact δ
+        assert bounds.upper <= 1.0
+
+
+def test_a_pmf_that_is_not_finite_gives_the_trivial_bounds():
+    probs = np.array([0.25, np.nan, 0.5])
+    for pessimistic, eps, delta in ((True, math.inf, 1.0), (False, 0.0, 0.0)):
+        bad = pld.LatticePld(1e-3, 0, probs, 0.0, pessimistic)
+        assert pld.epsilon_for_delta(bad, 1e-5) == eps  # NaN compared false: it gave 0
+        assert pld.delta_for_epsilon(bad, 1.0)[0] == delta
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
