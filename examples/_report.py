@@ -4,6 +4,8 @@ import time
 
 import keras
 
+from tf_dp.accounting.functions import epsilon_text
+
 
 class EpochReport(keras.callbacks.Callback):
     """Prints train loss, test accuracy, epsilon and seconds after every epoch."""
@@ -20,7 +22,7 @@ class EpochReport(keras.callbacks.Callback):
         seconds = time.time() - self.epoch_start
         _, acc = self.model.evaluate(self.x_test, self.y_test, batch_size=1024, verbose=0)
         logs = logs or {}
-        eps = f"{logs['epsilon']:.3f}" if self.private else "inf (non-private)"
+        eps = epsilon_text(logs['epsilon']) if self.private else "inf (non-private)"
         print(f"epoch {epoch + 1:3d}  train loss {logs.get('loss', float('nan')):.4f}  "
               f"test accuracy {acc:.4f}  epsilon {eps} (delta={self.delta:g})  "
               f"{seconds:.0f} s", flush=True)
@@ -34,5 +36,5 @@ def fit_and_report(model, train, test, batch_size, epochs, private, delta):
     _, acc = model.evaluate(*test, batch_size=1024, verbose=0)
     line = f"final test accuracy {acc:.4f}  {time.time() - start:.0f} s"
     if private:
-        line += f"  epsilon {model.epsilon():.3f} at delta {delta:g}"
+        line += f"  epsilon {epsilon_text(model.epsilon())} at delta {delta:g}"
     print(line)

@@ -31,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import warnings  # noqa: E402
 
 from absl import app, flags  # noqa: E402
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("target_epsilon", None, "Calibrate σ to this ε at --delta for the run "
@@ -90,7 +91,7 @@ def main(argv):
               f"({result.scorer}, {result.num_correct}/{result.num_guesses}) | f-DP: not "
               f"{result.gdp_mu:.3f}-GDP, its eps {result.gdp_epsilon:.3f}, p(accountant's "
               f"profile) {result.claim_p_value:.3g} | accountant eps "
-              f"{result.epsilon:.3f} | exact-clipping eps {result.epsilon_exact_clipping:.3f} | "
+              f"{epsilon_text(result.epsilon)} | exact-clipping eps {epsilon_text(result.epsilon_exact_clipping)} | "
               f"q={result.sampling_probability:.4f} steps={result.steps} "
               f"{result.seconds:.1f}s"
               + ("  VIOLATION" if result.violation or result.claim_rejected else ""),
@@ -145,7 +146,7 @@ def input_canaries():
         mi = r["membership"]
         print(f"run {run}: audited eps >= {r['epsilon_lower_bound']:.3f} "
               f"({r['num_correct']}/{r['num_guesses']}) | f-DP: not {r['gdp']['mu']:.3f}-GDP, its "
-              f"eps {r['gdp']['epsilon']:.3f} | accountant eps {r['epsilon']:.3f} | "
+              f"eps {r['gdp']['epsilon']:.3f} | accountant eps {epsilon_text(r['epsilon'])} | "
               f"canary AUC {mi['auc']:.3f} TPR@1% {mi['tpr_at_fpr_0.01']:.3f} | "
               f"{r['seconds']:.1f}s" + ("  VIOLATION" if r["epsilon_lower_bound"] > r["epsilon"]
                                        else ""), flush=True)

@@ -21,6 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 from _models import tutorial_cnn  # noqa: E402  (examples/_models.py)
 
 FLAGS = flags.FLAGS
@@ -77,9 +78,9 @@ class _Report(keras.callbacks.Callback):
         seconds = time.time() - self.start
         _, acc = self.model.evaluate(self.x_test, self.y_test, batch_size=2048, verbose=0)
         eps = (logs or {}).get("epsilon", float("inf") if self.private else None)
-        eps_text = f"{eps:.3f}" if eps is not None else "n/a (non-private)"
+        eps_text = epsilon_text(eps) if eps is not None else "n/a (non-private)"
         if "epsilon_exact_clipping" in (logs or {}):
-            eps_text += f" (exact clipping would give {logs['epsilon_exact_clipping']:.3f})"
+            eps_text += f" (exact clipping would give {epsilon_text(logs['epsilon_exact_clipping'])})"
         print(f"epoch {epoch + 1:3d}  test accuracy {acc:.4f}  epsilon {eps_text} "
               f"(delta={FLAGS.delta:g})  {seconds:.1f} s", flush=True)
 
@@ -104,7 +105,7 @@ def main(argv):
     _, acc = model.evaluate(x_test, y_test, batch_size=2048, verbose=0)
     line = f"final test accuracy {acc:.4f}"
     if private:
-        line += f"  epsilon {model.epsilon():.3f} at delta {FLAGS.delta:g}"
+        line += f"  epsilon {epsilon_text(model.epsilon())} at delta {FLAGS.delta:g}"
     print(line)
 
 

@@ -34,6 +34,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
+
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 from tf_dp.analysis import GradientGeometry  # noqa: E402
 from _models import tutorial_cnn  # noqa: E402  (examples/_models.py)
 
@@ -204,7 +206,7 @@ def main(argv):
 
     shapes = _shapes(model)
     print(f"{len(x_train)} training examples, {FLAGS.epochs} epochs, {time.time() - start:.0f} s:"
-          f" test accuracy {accuracy:.4f}, epsilon {epsilon:.3f} at delta {FLAGS.delta:g}")
+          f" test accuracy {accuracy:.4f}, epsilon {epsilon_text(epsilon)} at delta {FLAGS.delta:g}")
     print(f"{'layer':>7} {'m x n':>9} {'stable rank: init':>18} {'last':>6}   "
           + "  ".join(f"res r={r} hist/rand" for r in ranks))
     for name in LAYERS:
@@ -224,7 +226,7 @@ def main(argv):
         f"_{FLAGS.optimizer}" if FLAGS.optimizer in ("rgp", "lsg") else "")
     if private:
         run = (f"Fashion-MNIST CNN, {method}\n(σ = {FLAGS.noise_multiplier:g}, "
-               f"C = {FLAGS.l2_norm_clip:g}, B = {FLAGS.batch_size}), ε = {epsilon:.2f}, "
+               f"C = {FLAGS.l2_norm_clip:g}, B = {FLAGS.batch_size}), ε = {epsilon_text(epsilon, 3)}, "
                f"δ = {FLAGS.delta:g}, test accuracy {accuracy:.3f}")
     else:
         run = (f"Fashion-MNIST CNN, non-private SGD (B = {FLAGS.batch_size}), "

@@ -49,6 +49,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_dp  # noqa: E402
+
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 from tf_dp.analysis import GradientSpectrum, ProjectedSGD  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -191,7 +193,7 @@ def _plot_accuracy(ks, accuracies, private_accuracy, plain_accuracy, epsilon, d,
     ax.set_xticklabels([str(k) for k in ks])
     ax.set_xlabel(f"subspace dimension k (of d = {d:,})")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"DP-SGD in a k-dimensional gradient subspace, same ε = {epsilon:.2f} "
+    ax.set_title(f"DP-SGD in a k-dimensional gradient subspace, same ε = {epsilon_text(epsilon, 3)} "
                  f"(δ = {FLAGS.delta:g})\n{data_label}, {FLAGS.epochs} epochs; one run per point",
                  fontsize=9)
     ax.grid(True, alpha=0.3)
@@ -307,7 +309,7 @@ def main(argv):
     sgd = keras.optimizers.SGD(FLAGS.learning_rate, momentum=FLAGS.momentum)
     private_accuracy, epsilon, seconds = _private_run(build, data, sgd, [private_spectrum])
     overhead = private_spectrum.seconds / (seconds - private_spectrum.seconds)
-    print(f"DP-SGD (unprojected): test accuracy {private_accuracy:.4f}, epsilon {epsilon:.3f} "
+    print(f"DP-SGD (unprojected): test accuracy {private_accuracy:.4f}, epsilon {epsilon_text(epsilon)} "
           f"at delta {FLAGS.delta:g}, {seconds:.0f} s; GradientSpectrum at every step cost "
           f"{private_spectrum.seconds:.1f} s = {overhead:.1%} of the training time", flush=True)
 
@@ -318,7 +320,7 @@ def main(argv):
                              momentum=FLAGS.momentum)
         accuracy, eps_k, seconds = _private_run(build, data, inner)
         accuracies.append(accuracy)
-        print(f"DP-SGD projected, k = {k:4d}: test accuracy {accuracy:.4f}, epsilon {eps_k:.3f}"
+        print(f"DP-SGD projected, k = {k:4d}: test accuracy {accuracy:.4f}, epsilon {epsilon_text(eps_k)}"
               f", {seconds:.0f} s", flush=True)
 
     ratios = np.cumsum(pca.explained_variance_ratio(_resolvable(pca)))

@@ -53,6 +53,7 @@ def main(argv):
     import keras
 
     import tf_dp
+    from tf_dp.accounting.functions import epsilon_text
     from tf_dp.audit import (confidence_logits, lira_offline_scores, lira_online_scores,
                              loss_scores, membership_report, plot_roc)
     from tf_dp.layers import reparametrize
@@ -126,7 +127,7 @@ def main(argv):
           "| ε lower bound (95%) |")
     print("|---|---|---|---|---|---|---|---|")
     for label, eps, accuracy, attack, r in rows:
-        print(f"| {label} | {eps:.2f} | {accuracy:.3f} | {attack} | {r['auc']:.3f} "
+        print(f"| {label} | {epsilon_text(eps, 3)} | {accuracy:.3f} | {attack} | {r['auc']:.3f} "
               f"| {r['tpr_at_fpr_0.001']:.3f} "
               f"| {r['tpr_at_fpr_0.01']:.3f} | {r['epsilon_lower_bound']:.3f} |")
     os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)

@@ -53,6 +53,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
 
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch_size", 16, "B: the smallest expected logical batch.")
 flags.DEFINE_integer("steps", 300, "Logical steps of every configuration.")
@@ -371,7 +373,7 @@ def print_table(results, baseline):
           f"last quarter | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        eps = "inf (non-private)" if math.isinf(r["epsilon"]) else f"{r['epsilon']:.2f}"
+        eps = "inf (non-private)" if math.isinf(r["epsilon"]) else epsilon_text(r['epsilon'], 3)
         sigma = "-" if r["sigma"] == 0 else f"{r['sigma']:.3f}"
         print(f"| {label(r)} | {sigma} | {r['weight_decay']:g} | {r['examples']:,.0f} | "
               f"{r['accuracy']:.4f} | {r['loss']:.3f} | {eps} | {snr_summary(r['snr'])} | "
@@ -487,7 +489,7 @@ def main(argv):
             with open(FLAGS.save_results, "w") as f:
                 json.dump([{**r, "batch": None, "snr": r["snr"].tolist()} for r in results], f,
                           default=float)
-        eps = "inf" if math.isinf(r["epsilon"]) else f"{r['epsilon']:.3f}"
+        eps = "inf" if math.isinf(r["epsilon"]) else epsilon_text(r['epsilon'])
         print(f"{label(r)}: sigma {r['sigma']:.3f}  held-out MLM accuracy "
               f"{r['accuracy']:.4f}  loss {r['loss']:.3f}  epsilon {eps}  {r['seconds']:.0f} s; "
               "accuracy at steps " + ", ".join(f"{t}: {a:.4f}" for t, a in r["accuracy_curve"]),

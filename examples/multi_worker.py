@@ -141,6 +141,8 @@ def worker():
     import tensorflow as tf
 
     import tf_dp
+
+    from tf_dp.accounting.functions import epsilon_text
     from _cpu_replicas import use_cpu_replicas  # examples/_cpu_replicas.py
     from _models import tutorial_cnn  # examples/_models.py
 
@@ -217,7 +219,7 @@ def worker():
         print(f"{workers} workers ({strategy.num_replicas_in_sync} replicas), {steps} steps "
               f"in {seconds:.0f} s "
               f"({1000 * seconds / max(steps, 1):.0f} ms/step incl. tracing): test accuracy "
-              f"{accuracy:.4f}, epsilon {result['epsilon']:.3f} at delta {FLAGS.delta:g} "
+              f"{accuracy:.4f}, epsilon {epsilon_text(result['epsilon'])} at delta {FLAGS.delta:g} "
               f"({result['budget_steps']} steps accounted)", flush=True)
         for note in result["notes"]:
             print(f"note: {note}", flush=True)

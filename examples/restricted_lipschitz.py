@@ -30,6 +30,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("dims", ["10", "30", "100", "300", "1000"], "Dimensions d.")
@@ -55,6 +56,7 @@ def _train(x, y, sigma):
     import keras
 
     import tf_dp
+
 
     model = tf_dp.keras.DPSequential([
         keras.Input((x.shape[1],)),
@@ -136,7 +138,7 @@ def main(argv):
             initial = least_squares_loss(x, y, np.zeros(dim))
             print(f"{decay:5g} {dim:6d} {initial:9.4f} {excess[i, j].mean():30.3e} "
                   f"{epsilon:8.3f} {time.time() - t:5.1f}", flush=True)
-    title = (f"DP-SGD on least squares, ε = {epsilon:.2f}, δ = {FLAGS.delta:g} for every d\n"
+    title = (f"DP-SGD on least squares, ε = {epsilon_text(epsilon, 3)}, δ = {FLAGS.delta:g} for every d\n"
              f"(n = {FLAGS.num_examples}, σ = {sigma:.2f}, q = {q:g}, {steps} steps; "
              f"mean and range over {FLAGS.data_seeds} data draws)")
     _plot(dims, decays, excess, title, FLAGS.output)

@@ -38,6 +38,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
+
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 from _report import fit_and_report  # noqa: E402  (examples/_report.py)
 import _transformer  # noqa: E402  (examples/_transformer.py: the model)
 from tf_dp.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
@@ -153,7 +155,7 @@ def main(argv):
         planned = compute_epsilon(noise_multiplier=sigma, sampling_probability=q, steps=steps,
                                   delta=FLAGS.delta)
         print(f"sigma {sigma:.4f}  C {FLAGS.l2_norm_clip}  q {q:.5f}  steps {steps}  planned "
-              f"epsilon {planned:.3f} at delta "
+              f"epsilon {epsilon_text(planned)} at delta "
               f"{FLAGS.delta:g}")
     print(f"batch {FLAGS.batch_size}  epochs {FLAGS.epochs}  lr {FLAGS.learning_rate}  "
           f"seed {FLAGS.seed}", flush=True)

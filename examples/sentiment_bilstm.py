@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dp  # noqa: E402
+from tf_dp.accounting.functions import epsilon_text  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("dataset", "rotten_tomatoes", ["rotten_tomatoes", "imdb_reviews"],
@@ -169,9 +170,9 @@ class _Report(keras.callbacks.Callback):
         eps = logs.get("epsilon") if self.private else None
         exact = logs.get("epsilon_exact_clipping")
         self.rows.append((acc, eps, seconds))
-        text = "n/a (non-private)" if not self.private else f"{eps:.3f}"
+        text = "n/a (non-private)" if not self.private else epsilon_text(eps)
         if exact is not None and exact != eps:
-            text += f" (exact clipping at this sigma: {exact:.3f})"
+            text += f" (exact clipping at this sigma: {epsilon_text(exact)})"
         print(f"[{self.name}] epoch {epoch + 1:2d}  held-out accuracy {acc:.4f}  epsilon {text} "
               f"(delta={FLAGS.delta:g})  {seconds:.1f} s", flush=True)
 
@@ -223,7 +224,7 @@ def main(argv):
           f"{'1st epoch s':>11s}   ({FLAGS.epochs} epochs; 1st epoch includes tracing)")
     for name, r in results.items():
         label = _LABELS[name].format(r=FLAGS.num_projections, norm_strategy=FLAGS.norm_strategy)
-        eps = "n/a" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
+        eps = "n/a" if r["epsilon"] is None else epsilon_text(r['epsilon'])
         print(f"{label:28s} {r['accuracy']:9.4f} {eps:>9s} {r['epoch_s']:8.1f} "
               f"{r['first_epoch_s']:11.1f}")
 

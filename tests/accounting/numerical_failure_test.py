@@ -94,5 +94,20 @@ def test_a_pmf_that_is_not_finite_gives_the_trivial_bounds():
         assert pld.delta_for_epsilon(bad, 1.0)[0] == delta
 
 
+@pytest.mark.parametrize("value, shown", [
+    (2.31636, "2.317"), (2.316, "2.316"), (9.99951, "10"), (0.000123451, "0.0001235"),
+    (1234567.8, "1.235e+6"), (5.0, "5"), (math.inf, "inf"), (0.0, "0")])
+def test_a_printed_epsilon_is_rounded_up(value, shown):
+    # Session 22 audit: the statement's %.4g printed 2.316 for the accountant's 2.31636.
+    from tf_dp.accounting.functions import epsilon_text
+
+    assert epsilon_text(value) == shown
+    assert float(epsilon_text(value)) >= value
+    rng = np.random.default_rng(0)
+    for v in np.exp(rng.uniform(-20, 20, size=2000)):
+        assert float(epsilon_text(float(v))) >= v, v
+        assert float(epsilon_text(float(v), 6)) >= v, v
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -73,6 +73,7 @@ def _run_shape(args):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from tf_dp import accounting
+    from tf_dp.accounting import functions
 
     args = _parser().parse_args(argv)
     q, steps = _run_shape(args)
@@ -105,14 +106,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if math.isinf(eps):
             print(f"epsilon: inf ({b.reason})")
         else:
-            print(f"epsilon: {eps:.6g} (numerical bracket [{b.lower:.6g}, {b.upper:.6g}])")
+            print(f"epsilon: {functions.epsilon_text(eps, 6)} (numerical bracket "
+                  f"[{b.lower:.6g}, {functions.epsilon_text(b.upper, 6)}]"
+                  f"{'' if b.converged else ', not converged: ' + b.reason})")
         if sigma == 0:
             print("RDP epsilon (comparison): inf (no noise)")
             print("CLT mu-GDP: not applicable (no noise)")
         else:
             rdp = acc.rdp_epsilon(args.delta)
             print(
-                f"RDP epsilon (comparison): {rdp:.6g}"
+                f"RDP epsilon (comparison): {functions.epsilon_text(rdp, 6)}"
                 if math.isfinite(rdp)
                 else "RDP epsilon (comparison): inf (RDP is infinite for the JL mechanism)"
             )
@@ -144,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.plot,
             alphas,
             curves,
-            title=f"q={q:.4g}, steps={steps}, ε={eps:.4g} at δ={args.delta:g}",
+            title=f"q={q:.4g}, steps={steps}, ε={functions.epsilon_text(eps)} at δ={args.delta:g}",
             epsilon_delta=(eps, args.delta) if math.isfinite(eps) else None,
         )
         print(f"trade-off curve written to {args.plot}")

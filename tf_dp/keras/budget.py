@@ -14,6 +14,7 @@ import threading
 import warnings
 import weakref
 
+from tf_dp.accounting.functions import epsilon_text
 from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
@@ -234,12 +235,12 @@ class PrivacyBudget:
                 f", JL norms r = {p['num_projections']}")
             lines.append(f"    {p['count']} steps at noise_multiplier {p['noise_multiplier']:g}, "
                          f"sampling_probability {p['sampling_probability']:g}{jl}")
-        lines.append(f"  epsilon = {r['epsilon']:.4g} at delta = {r['delta']:g} "
+        lines.append(f"  epsilon = {epsilon_text(r['epsilon'])} at delta = {r['delta']:g} "
                      "(f-DP numerical accountant, pessimistic)")
-        lines.append(f"  for comparison, RDP epsilon = {r['rdp_epsilon']:.4g}")
+        lines.append(f"  for comparison, RDP epsilon = {epsilon_text(r['rdp_epsilon'])}")
         if "epsilon_exact_clipping" in r:
             lines.append("  the same steps with exact clipping: epsilon = "
-                         f"{r['epsilon_exact_clipping']:.4g}")
+                         f"{epsilon_text(r['epsilon_exact_clipping'])}")
         verdict = ("holds" if r["guarantee_holds"]
                    else "DOES NOT HOLD for this run (see the caveats)")
         lines.append(f"  the guarantee {verdict}")
@@ -296,12 +297,12 @@ class PrivacyBudget:
             one = PrivacyAccountant().step(noise_multiplier=sigma, sampling_probability=q,
                                            num_projections=r).epsilon(self.delta)
             return (f"tf_dp: cannot take even one step: a single step (sigma {sigma:g}, q "
-                    f"{q:g}{'' if r is None else f', r {r}'}) already costs epsilon {one:.4g} "
+                    f"{q:g}{'' if r is None else f', r {r}'}) already costs epsilon {epsilon_text(one)} "
                     f"at delta {self.delta:g}, above the target epsilon "
                     f"{self.target_epsilon:g}. Nothing was trained or spent; raise the noise "
                     "multiplier or lower the sampling rate.")
         return (f"tf_dp: the privacy budget (target epsilon {self.target_epsilon:g} at "
-                f"delta {self.delta:g}) is spent: epsilon {self.epsilon():.4g} "
+                f"delta {self.delta:g}) is spent: epsilon {epsilon_text(self.epsilon())} "
                 f"after {self.accountant.steps} steps; not training.")
 
     # -- saving and restoring --------------------------------------------------------------

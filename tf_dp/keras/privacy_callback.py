@@ -6,6 +6,8 @@ import logging
 
 import keras
 
+from tf_dp.accounting.functions import epsilon_text
+
 _LOG = logging.getLogger("tf_dp")
 
 #: warn when the JL epsilon exceeds exact clipping's by this factor.
@@ -64,10 +66,10 @@ class PrivacyCallback(keras.callbacks.Callback):
             if not self._warned and logs["epsilon"] > JL_GAP_WARNING * exact:
                 self._warned = True
                 _LOG.warning(
-                    "tf_dp: JL norms cost epsilon %.4g; exact clipping at the same sigma, q and "
-                    "steps would cost %.4g: use larger r (or exact clipping) for the final run; "
+                    "tf_dp: JL norms cost epsilon %s; exact clipping at the same sigma, q and "
+                    "steps would cost %s: use larger r (or exact clipping) for the final run; "
                     "small r is for fast hyper-parameter search (Bu et al. 2021).",
-                    logs["epsilon"], exact)
+                    epsilon_text(logs["epsilon"]), epsilon_text(exact))
 
 
 def max_additional_steps(accountant, target_epsilon, delta, mechanism, limit=10**8):
