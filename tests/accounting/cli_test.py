@@ -101,5 +101,20 @@ def test_epsilon_over_steps_and_the_dp_region_of_the_plots(tmp_path):
     accounting.plot_epsilon(str(out), steps, eps, 1e-5, title="a run")
     assert out.read_bytes()[:4] == b"\x89PNG"
 
+@pytest.mark.parametrize("n, b, epochs", [(1000, 385, 20), (60000, 256, 3), (1000, 10, 2),
+                                           (100, 40, 5)])
+def test_cli_epochs_are_the_steps_fit_takes(n, b, epochs, capsys):
+    # Session 22 audit: ceil(epochs / q) gave 52 steps where fit takes 20 * round(1000/385)
+    # = 60; a noise multiplier calibrated by the CLI then overshot its target in fit.
+    from tf_dp.data import PoissonSampler
+
+    import numpy as np
+
+    per_epoch = PoissonSampler(np.zeros((n, 1), "float32"), expected_batch_size=b).steps_per_epoch
+    assert cli.main(f"--dataset_size {n} --batch_size {b} --epochs {epochs} "
+                    "--noise_multiplier 1.2 --delta 1e-5".split()) == 0
+    assert f"steps={epochs * per_epoch}," in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

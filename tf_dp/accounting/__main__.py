@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--batch_size", type=int, default=None,
                      help="expected (Poisson) batch size; q = batch_size / dataset_size")
     run.add_argument("--epochs", type=float, default=None,
-                     help="epochs; steps = ceil(epochs / q)")
+                     help="epochs; steps = ceil(epochs * max(1, round(1 / q))), as fit takes them")
     run.add_argument("--sampling_probability", type=float, default=None,
                      help="q, instead of --dataset_size and --batch_size")
     run.add_argument("--steps", type=int, default=None, help="number of steps, instead of --epochs")
@@ -68,7 +68,10 @@ def _run_shape(args):
         return q, args.steps
     if args.epochs <= 0:
         raise SystemExit(f"`epochs` must be > 0, got {args.epochs}.")
-    return q, int(math.ceil(args.epochs / q))
+    # As fit, PoissonSampler and for_target_epsilon count them: max(1, round(1/q)) steps per
+    # epoch (session 22 audit: ceil(epochs / q) gave 52 steps where fit took 60, N = 1000,
+    # B = 385, 20 epochs, and a sigma calibrated here overshot its target in fit).
+    return q, int(math.ceil(args.epochs * max(1, round(1.0 / q)) - 1e-9))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
