@@ -422,5 +422,53 @@ def test_a_dataset_size_or_rate_that_contradicts_the_input_is_refused():
     assert _phases(model) == [(pytest.approx(0.1, rel=1e-12), 10)]
 
 
+def test_branches_of_one_checkpoint_count_each_others_steps_once(tmp_path):
+    # Session 22 audit: two models trained on from one checkpoint shared its lineage, so
+    # loading one branch's weights into the other dropped that branch's own steps as "an
+    # older state of this run" (A kept 32 steps where its releases depended on 40). A model
+    # that takes a saved record now forks (a new lineage that remembers the saved one), and a
+    # merge counts the known common history once and everything else in full.
+    x, y = _data(100)
+
+    def fit(model, epochs):  # batch 10 of 100: 10 steps per epoch
+        model.fit(x, y, batch_size=10, epochs=epochs, verbose=0)
+
+    a = _model()
+    fit(a, 1)
+    checkpoint = str(tmp_path / "shared.weights.h5")
+    a.save_weights(checkpoint)
+    fit(a, 2)  # A: 10 shared + 20 of its own
+    b = _model()
+    b.load_weights(checkpoint)
+    assert b.accountant.steps == 10
+    fit(b, 1)  # B: 10 shared + 10 of its own
+    c = _model()
+    c.load_weights(checkpoint)
+    fit(c, 1)
+    c.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=5, verbose=0)  # C: 10 + 15 own
+    files = {}
+    for name, model in (("a", a), ("b", b), ("c", c)):
+        files[name] = str(tmp_path / f"{name}.weights.h5")
+        model.save_weights(files[name])
+
+    a.load_weights(files["b"])
+    assert a.accountant.steps == 10 + 20 + 10  # B's own 10 steps, not the shared 10
+    b.load_weights(files["c"])
+    assert b.accountant.steps == 10 + 10 + 15  # siblings: C's own 15
+    a.load_weights(checkpoint)  # an older state of A's own history: nothing new
+    a.load_weights(files["a"])
+    assert a.accountant.steps == 40
+    # A model built from a saved .keras file is another branch too.
+    c.save(str(tmp_path / "c.keras"))
+    d = keras.models.load_model(str(tmp_path / "c.keras"))
+    assert d.accountant.steps == 25
+    _compile(d)
+    fit(d, 1)
+    c.load_weights(str(tmp_path / "c.weights.h5"))  # its own file: nothing new
+    d.save_weights(str(tmp_path / "d.weights.h5"))
+    c.load_weights(str(tmp_path / "d.weights.h5"))
+    assert c.accountant.steps == 25 + 10  # D's own steps, once
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

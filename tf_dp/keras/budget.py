@@ -9,6 +9,7 @@ saved budget keeps the larger of the two records (``merge``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -78,6 +79,9 @@ class PrivacyBudget:
         #: the JL steps accounted as exact clipping, for comparison only.
         self.exact_clipping_accountant = PrivacyAccountant()
         self.lineage = os.urandom(8).hex()
+        #: the records this budget's history took over from other lineages when it adopted a
+        #: saved budget (lineage -> that budget's config then): what it shares with them.
+        self.forks: dict = {}
         self.caveats: set = set()
         #: what happened to the record (e.g. a recovery from a budget journal), in order.
         self.notes: list = []
@@ -311,8 +315,8 @@ class PrivacyBudget:
         return {"privacy_delta": self.delta, "target_epsilon": self.target_epsilon,
                 "accountant": self.accountant.get_config(),
                 "exact_clipping_accountant": self.exact_clipping_accountant.get_config(),
-                "lineage": self.lineage, "caveats": sorted(self.caveats),
-                "notes": list(self.notes)}
+                "lineage": self.lineage, "forks": dict(self.forks),
+                "caveats": sorted(self.caveats), "notes": list(self.notes)}
 
     @classmethod
     def from_config(cls, config: dict) -> "PrivacyBudget":
@@ -323,6 +327,7 @@ class PrivacyBudget:
         budget.exact_clipping_accountant = PrivacyAccountant.from_config(
             config.get("exact_clipping_accountant") or {})
         budget.lineage = config.get("lineage") or budget.lineage
+        budget.forks = dict(config.get("forks") or {})
         budget.caveats = set(config.get("caveats") or ())
         budget.notes = list(config.get("notes") or ())
         return budget
@@ -330,34 +335,77 @@ class PrivacyBudget:
     def merge(self, saved: dict, warning: str = None) -> None:
         """Takes in a saved budget; nothing rewinds the spent budget.
 
-        Same history (lineage): keep whichever of the two records the other is a prefix of
-        (an older checkpoint restored into a model that trained further keeps the model's
-        record; a fresh model takes the file's). A budget that has spent nothing takes the
-        file's record. Otherwise both histories contributed to what the model will release:
-        compose them (a warning says so). Caveats are the union; delta and target are kept.
+        The record becomes this budget's plus the part of the saved one that is not shared
+        history: the longest record both are known to share (same lineage: whichever is a
+        prefix of the other; a lineage one of them adopted from, ``forks``: the record at
+        that fork) is counted once. So an older checkpoint restored into a model that trained
+        further adds nothing, a fresh model takes the file's record (and forks: a new lineage
+        that remembers the file's), and a branch trained from a shared checkpoint brings only
+        its own steps (session 22 audit: two branches of one checkpoint shared a lineage, and
+        loading one into the other dropped 8 of its steps as "an older state of this run").
+        Unrelated histories are composed whole, with a warning. Caveats are the union; delta
+        and target are kept.
         """
         theirs = PrivacyBudget.from_config(saved)
-        same = saved.get("lineage") == self.lineage
         caveats = self.caveats | theirs.caveats
-        mine = self.accountant
-        if mine.steps == 0 or (same and _is_prefix(mine.phases, theirs.accountant.phases)):
-            self.accountant = theirs.accountant
-            self.exact_clipping_accountant = theirs.exact_clipping_accountant
-            self.lineage = theirs.lineage
-        elif same and _is_prefix(theirs.accountant.phases, mine.phases):
-            pass  # an older state of this very run: the budget's record already covers it
+        if self.accountant.steps == 0 and self.exact_clipping_accountant.steps == 0:
+            self._adopt(theirs)
         else:
-            warnings.warn(warning or (
-                "tf_dp: loading weights trained in another run into a model that has "
-                "already trained: both runs' steps are now accounted."), stacklevel=4)
-            for acc, other in ((mine, theirs.accountant), (self.exact_clipping_accountant,
-                                                           theirs.exact_clipping_accountant)):
-                for p in other.phases:
+            shared = self._shared_with(theirs)
+            if shared is None:
+                warnings.warn(warning or (
+                    "tf_dp: loading weights trained in another run into a model that has "
+                    "already trained: both runs' steps are now accounted."), stacklevel=4)
+                shared = {"accountant": [], "exact_clipping_accountant": []}
+            for acc, other, key in (
+                    (self.accountant, theirs.accountant, "accountant"),
+                    (self.exact_clipping_accountant, theirs.exact_clipping_accountant,
+                     "exact_clipping_accountant")):
+                for p in _minus(other.phases, shared[key]):
                     acc.step(noise_multiplier=p.noise_multiplier,
                              sampling_probability=p.sampling_probability,
                              num_projections=p.num_projections, count=p.count)
         self.caveats = caveats
         self.notes += [n for n in theirs.notes if n not in self.notes]
+
+    def _adopt(self, theirs: "PrivacyBudget") -> None:
+        """Takes ``theirs``'s record as this budget's, under a new lineage that remembers the
+        one it forked from (its record then): two models restored from one file are two
+        branches, whose later steps are not each other's."""
+        self.accountant = theirs.accountant
+        self.exact_clipping_accountant = theirs.exact_clipping_accountant
+        self.forks = {**theirs.forks, theirs.lineage: _record(theirs)}
+        self.lineage = os.urandom(8).hex()
+
+    def forked(self) -> "PrivacyBudget":
+        """This budget under a new lineage that remembers the current one (a model built
+        from a saved config: another branch of the saved run)."""
+        self.forks = {**self.forks, self.lineage: _record(self)}
+        self.lineage = os.urandom(8).hex()
+        return self
+
+    def _shared_with(self, theirs: "PrivacyBudget"):
+        """The longest record known to be the common history of this budget and ``theirs``
+        ({"accountant": phases, "exact_clipping_accountant": phases}), or None."""
+        mine = _record(self)
+        other = _record(theirs)
+        candidates = []
+        if theirs.lineage == self.lineage:
+            candidates += [mine, other]
+        if theirs.lineage in self.forks:
+            candidates += [self.forks[theirs.lineage], other]
+        if self.lineage in theirs.forks:
+            candidates += [theirs.forks[self.lineage], mine]
+        for lineage in set(self.forks) & set(theirs.forks):
+            candidates += [self.forks[lineage], theirs.forks[lineage]]
+        best = None
+        for candidate in candidates:
+            phases = {k: _phases_of(v) for k, v in candidate.items()}
+            if all(_is_prefix(phases[k], _phases_of(mine[k])) and
+                   _is_prefix(phases[k], _phases_of(other[k])) for k in phases):
+                if best is None or _steps(phases["accountant"]) > _steps(best["accountant"]):
+                    best = phases
+        return best
 
     def adopt_journal(self, record: dict, path: str = "the budget journal"):
         """Takes in a budget journal (``tf_dp.keras.budget_journal``): its record as a saved
@@ -385,6 +433,35 @@ class PrivacyBudget:
                 "after the last backup, which the restart trains again with fresh noise.")
         self.notes.append(note)
         return note
+
+
+def _record(budget: "PrivacyBudget") -> dict:
+    return {"accountant": budget.accountant.get_config()["phases"],
+            "exact_clipping_accountant": budget.exact_clipping_accountant.get_config()["phases"]}
+
+
+def _phases_of(configs):
+    from tf_dp.accounting import composition
+
+    return [p if isinstance(p, composition.Phase) else composition.Phase(
+        noise_multiplier=p["noise_multiplier"], sampling_probability=p["sampling_probability"],
+        num_projections=p["num_projections"], count=p["count"]) for p in configs]
+
+
+def _steps(phases) -> int:
+    return sum(p.count for p in phases)
+
+
+def _minus(longer, prefix):
+    """The phases of ``longer`` after its beginning ``prefix`` (``_is_prefix``)."""
+    prefix = _phases_of(prefix)
+    longer = list(longer)
+    if not prefix:
+        return longer
+    i = len(prefix) - 1
+    extra = longer[i].count - prefix[i].count
+    head = [dataclasses.replace(longer[i], count=extra)] if extra > 0 else []
+    return head + longer[i + 1:]
 
 
 def _is_prefix(shorter, longer):

@@ -160,7 +160,8 @@ class DPTrainMixin:
         extra = config.pop("tf_dp", None)
         model = super().from_config(config, custom_objects=custom_objects)
         if extra:
-            model._dp_budget = PrivacyBudget.from_config(extra)
+            # Another branch of the saved run: a new lineage that remembers the saved one.
+            model._dp_budget = PrivacyBudget.from_config(extra).forked()
         return model
 
     def save_own_variables(self, store):
