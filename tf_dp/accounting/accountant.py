@@ -22,6 +22,8 @@ EPSILON_REL_TOLERANCE = 5e-3
 # Beyond ε = 50 the target grows as 1e-5 ε: there round-off floors the bracket near 2e-6 ε
 # (measured at ε = 494 and 877), which passes past the tolerance would approach at 3x the cost each.
 _EPSILON_TARGET_REL = 1e-5
+# Above this ε, epsilon_bounds also compares the numerical composition with RDP's ε.
+_CROSS_CHECK_ABOVE = 100.0
 DELTA_REL_TOLERANCE = 1e-2
 DELTA_ABS_TOLERANCE = 1e-12
 
@@ -163,17 +165,20 @@ class PrivacyAccountant:
             # Heavy (JL) tails put mass just above ε: leave room for it (P(L > 1.25 ε) < δ).
             horizon=lambda u: u + max(margin, 0.25 * u),
         )
-        if not b.converged:
+        if not b.converged or b.upper > _CROSS_CHECK_ABOVE:
             # Where the numerical composition could not certify the tolerance (or failed: FFT
             # round-off at tiny δ, overflow at 1e8 steps), RDP's ε is also a valid upper
-            # bound for Gaussian steps: the smaller of the two is reported.
+            # bound for Gaussian steps: the smaller of the two is reported. Past ε = 100 it is
+            # a cross-check too: a lattice too short for the composed loss gives T times the
+            # one-step cap, "converged" at both ends (949400 for an exact 51348, session 22
+            # audit), whose lower end is then no bound at all.
             from tf_dp.accounting import functions
 
             rdp = functions.rdp_epsilon_for_phases(self._phases, delta)
             if rdp < b.upper:
-                lower = b.lower if math.isfinite(b.lower) else 0.0
+                lower = b.lower if math.isfinite(b.lower) and b.lower <= rdp else 0.0
                 return composition.Bounds(
-                    min(max(lower, 0.0), rdp), rdp, b.discretization, False,
+                    max(lower, 0.0), rdp, b.discretization, False,
                     (b.reason + "; " if b.reason else "") + f"reported: RDP's ε {rdp:.6g}")
         return b
 
