@@ -139,5 +139,22 @@ def test_class_weights_from_the_labels_break_the_bound_and_class_weight_is_noted
     assert len([c for c in again.privacy_caveats if c.startswith("CLASS_WEIGHT")]) == 1
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_label_missing_from_class_weight_does_not_stop_fit():
+    # Session 22 audit: Keras' own class weighting stopped fit when a sampled batch held a
+    # label absent from the dict: the stop told that example had been sampled. On arrays
+    # the class weights are now sample weights, absent classes weighing 1.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype(np.float32)
+    y = rng.integers(0, 2, size=40).astype(np.int64)
+    y[:5] = 2  # a class of the model, absent from the dict
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                       keras.layers.Dense(3)]))
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=20, epochs=2, class_weight={0: 1.0, 1: 2.0}, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -611,5 +611,52 @@ def test_an_overflowing_example_among_the_probe_rows_does_not_decide_the_check()
     assert model.privacy_report()["guarantee_holds"] is True
 
 
+def test_a_gradient_just_below_the_float32_maximum_does_not_decide_the_check():
+    # Session 22 audit (second sweep): the comparisons weighted rows by up to 1.5, so a row
+    # whose gradient was finite at weight 1 (kept by the finite filter) overflowed in them
+    # and the check gave up (UNCHECKED) exactly when that example was a probe row with a
+    # weight above 1. The weights are now at most 1/n.
+    fmax = float(np.finfo(np.float32).max)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = rng.normal(size=(40, 1)).astype(np.float32)
+    target = 1e19
+    for at in range(8):
+        crafted_x, crafted_y = x.copy(), y.copy()
+        crafted_x[at] = 0.0
+        crafted_x[at, 0] = 0.995 * fmax / (2 * target)  # |gradient|: 0.995 of the maximum
+        crafted_y[at] = target
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), L.Dense(1, kernel_initializer="zeros")])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "could not check" warning
+            assert check_per_example_independence(model, crafted_x, crafted_y, None,
+                                                  build_per_example_loss("mse"))
+
+
+def test_a_row_the_model_raises_on_is_left_out_and_its_values_are_not_quoted():
+    # Session 22 audit: an Embedding id beyond the table among the probe rows made the check
+    # give up (UNCHECKED) although the row was never sampled, and the warning quoted
+    # TensorFlow's message: "indices[3,2] = 999 is not in [0, 50)", the row and its value.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 50, size=(40, 6)).astype(np.int32)
+    ids[3, 2] = 999
+    y = rng.integers(0, 2, size=40)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), L.Embedding(50, 4),
+                              L.GlobalAveragePooling1D(), L.Dense(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_per_example_independence(model, ids, y, None, XENT)
+        assert check_ghost_rows_are_examples(model, ids, y, None, XENT)
+    # A model that fails on every row still says so, without the message.
+    ids[:] = 999
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not check_per_example_independence(model, ids, y, None, XENT)
+    text = " ".join(str(w.message) for w in caught)
+    assert "could not" in text and "999" not in text
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

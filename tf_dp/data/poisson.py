@@ -353,6 +353,8 @@ class _ArraySource:
                                  f"{n}.")
         if n == 0:
             raise ValueError("`x` has no examples.")
+        for name, part in zip(("x", "y", "sample_weight"), self._arrays):
+            check_text(name, part)
         self.size = n
 
     def head(self):
@@ -367,6 +369,40 @@ class _ArraySource:
             return (*rows, step) if with_step else rows
 
         return steps.map(sample)
+
+
+def check_text(name: str, arrays) -> None:
+    """Raises ``ValueError`` naming ``name`` if a str/object array in ``arrays`` holds a
+    value that is not text or bytes, or text that is not UTF-8-encodable: read only when a
+    sample drew its row, it would stop training exactly when that example was sampled
+    (session 22 audit). Checked once, before any step."""
+    for a in tf.nest.flatten(arrays):
+        if a is None:
+            continue
+        a = _as_array(a) if hasattr(a, "dtype") or hasattr(a, "to_numpy") else a
+        if getattr(getattr(a, "dtype", None), "kind", "") in "UO" and a.dtype.kind and not (
+                _all_text(a)):
+            raise ValueError(
+                f"`{name}` holds a text array with a value that is neither text nor bytes "
+                "(pandas stores a missing text as NaN) or that cannot be encoded as UTF-8. "
+                "Replace such values (e.g. missing text with '') before training: read only "
+                "when a sample drew that row, it would stop training exactly when that "
+                "example was sampled.")
+
+
+def _all_text(a) -> bool:
+    """Whether every entry of a str/object array is bytes or UTF-8-encodable text (checked
+    once, up front; session 22 audit)."""
+    for v in np.ravel(a):
+        if isinstance(v, bytes):
+            continue
+        if not isinstance(v, str):
+            return False
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 def _lists_to_tuples(structure):
@@ -426,7 +462,9 @@ class _DatasetSource:
 
     def __init__(self, dataset, n):
         for spec in tf.nest.flatten(dataset.element_spec):
-            if not isinstance(spec, tf.TensorSpec):
+            # A fully defined shape too: with an unknown dimension one example of another
+            # length would fail every sample that drew it (session 22 audit).
+            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
                 raise ValueError(f"The elements of the dataset `x` must be dense tensors of a "
                                  f"fixed shape (one example each), got {spec}.")
         if _yields_batches(dataset):

@@ -342,7 +342,7 @@ class DPTrainMixin:
             ``jit_compile=True`` fit pads so anyway. With ``max_physical_batch_size`` the
             padded batch is run in parts of that size.
         """
-        from tf_dp.data.poisson import PoissonSampler, sampler_of
+        from tf_dp.data.poisson import PoissonSampler, check_text, sampler_of
 
         _refuse_nested(self, "fit")
         if max_physical_batch_size is not None:
@@ -370,6 +370,9 @@ class DPTrainMixin:
         _note_class_weight(self, kwargs.get("class_weight"))
         self._dp_drain()
         _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling)
+        if _is_array_like(x):
+            for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+                check_text(name, part)
         callbacks = steering.flatten(callbacks)
         for caveat in steering.steering_caveats(
                 callbacks, validation_private=bool(validation_split) and validation_data is None,
@@ -428,10 +431,13 @@ class DPTrainMixin:
                                      else (batch_size or 32) * k)
                     pad_to = _one_shape_pad_to(self, schedule, x, expected_size,
                                                fixed_batch_shape)
-                    if (pad_to is not None and sample_weight is None
-                            and kwargs.get("class_weight") is not None):
-                        # Padded batches carry sample weights (0 on padding rows), which
-                        # Keras refuses next to class_weight: the class weights become them.
+                    if sample_weight is None and kwargs.get("class_weight") is not None:
+                        # The class weights become sample weights here, for every Poisson
+                        # fit on arrays: padded batches carry sample weights (0 on padding
+                        # rows), which Keras refuses next to class_weight, and Keras' own
+                        # class weighting stops fit when a batch holds a label absent from
+                        # the dict (a stop that tells that example was sampled, session 22
+                        # audit); absent classes weigh 1 here.
                         sample_weight = _class_weights(y, kwargs.pop("class_weight"))
                     sampler = PoissonSampler(x, y, sample_weight=sample_weight,
                                              expected_batch_size=expected_size,
