@@ -455,6 +455,8 @@ def test_branches_of_one_checkpoint_count_each_others_steps_once(tmp_path):
     assert a.accountant.steps == 10 + 20 + 10  # B's own 10 steps, not the shared 10
     b.load_weights(files["c"])
     assert b.accountant.steps == 10 + 10 + 15  # siblings: C's own 15
+    b.load_weights(files["a"])  # the parent's later steps, though B's record is longer
+    assert b.accountant.steps == 10 + 10 + 15 + 20  # (a first version of this fix: 35)
     a.load_weights(checkpoint)  # an older state of A's own history: nothing new
     a.load_weights(files["a"])
     assert a.accountant.steps == 40

@@ -389,22 +389,34 @@ class PrivacyBudget:
         ({"accountant": phases, "exact_clipping_accountant": phases}), or None."""
         mine = _record(self)
         other = _record(theirs)
-        candidates = []
+        # Pairs of records on one line of history (a lineage, or the record a fork took
+        # from it); what both sides share of that line is the SHORTER of the pair. A record
+        # that merely looks like a prefix is no evidence: equal mechanisms are stored as one
+        # block of steps, so another branch's later steps read as a prefix of ours (the
+        # review of this change: 70 steps kept where 90 were spent).
+        pairs = []
         if theirs.lineage == self.lineage:
-            candidates += [mine, other]
+            pairs.append((mine, other))
         if theirs.lineage in self.forks:
-            candidates += [self.forks[theirs.lineage], other]
+            pairs.append((self.forks[theirs.lineage], other))
         if self.lineage in theirs.forks:
-            candidates += [theirs.forks[self.lineage], mine]
+            pairs.append((theirs.forks[self.lineage], mine))
         for lineage in set(self.forks) & set(theirs.forks):
-            candidates += [self.forks[lineage], theirs.forks[lineage]]
+            pairs.append((self.forks[lineage], theirs.forks[lineage]))
         best = None
-        for candidate in candidates:
-            phases = {k: _phases_of(v) for k, v in candidate.items()}
-            if all(_is_prefix(phases[k], _phases_of(mine[k])) and
-                   _is_prefix(phases[k], _phases_of(other[k])) for k in phases):
-                if best is None or _steps(phases["accountant"]) > _steps(best["accountant"]):
-                    best = phases
+        for a, b in pairs:
+            a = {k: _phases_of(v) for k, v in a.items()}
+            b = {k: _phases_of(v) for k, v in b.items()}
+            if all(_is_prefix(a[k], b[k]) for k in a):
+                shared = a
+            elif all(_is_prefix(b[k], a[k]) for k in a):
+                shared = b
+            else:
+                continue
+            if all(_is_prefix(shared[k], _phases_of(mine[k])) and
+                   _is_prefix(shared[k], _phases_of(other[k])) for k in shared):
+                if best is None or _steps(shared["accountant"]) > _steps(best["accountant"]):
+                    best = shared
         return best
 
     def adopt_journal(self, record: dict, path: str = "the budget journal"):
