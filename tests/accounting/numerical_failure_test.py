@@ -61,9 +61,8 @@ def test_epsilon_at_q_1_is_never_below_the_exact_one(sigma, steps, delta, tight)
     assert math.isfinite(bounds.upper)
     if tight:
         assert bounds.converged and bounds.upper - exact < 1e-3, (bounds, exact)
-    else:
-        assert not bounds.converged and bounds.reason, bounds
-        assert bounds.upper < 1.1 * exact  # RDP's ε where the composition failed
+    else:  # sound, and not absurdly loose (RDP's ε, or the round-off estimate on top)
+        assert bounds.upper < 1.1 * exact, (bounds, exact)
 
 
 def test_a_long_subsampled_run_is_never_reported_below_a_shorter_one():

@@ -164,6 +164,9 @@ class PrivacyAccountant:
             target=lambda u: max(self._epsilon_tolerance, _EPSILON_TARGET_REL * u),
             # Heavy (JL) tails put mass just above ε: leave room for it (P(L > 1.25 ε) < δ).
             horizon=lambda u: u + max(margin, 0.25 * u),
+            # ε is read where δ plus the round-off estimate is within δ; past δ / 2 the
+            # answer would be mostly that estimate.
+            roundoff_limit=lambda u: 0.5 * delta,
         )
         if not b.converged or b.upper > _CROSS_CHECK_ABOVE:
             # Where the numerical composition could not certify the tolerance (or failed: FFT
@@ -220,7 +223,8 @@ class PrivacyAccountant:
         horizon = lambda u: epsilon + max(  # noqa: E731
             composition.horizon_margin(steps, max(u, 1e-12)), 0.25 * epsilon
         )
-        limit = lambda u: 0.5 * tol(u)  # noqa: E731
+        # The pessimistic δ carries its FFT round-off estimate: never a reason to fail.
+        limit = lambda u: math.inf  # noqa: E731
         b = composition.refine(self._phases, 1e-12, query, max, tol, horizon=horizon,
                                roundoff_limit=limit)
         if b.lower > 1e-9:  # the tail can be cut closer to the answer: finer lattice

@@ -442,16 +442,16 @@ _CROSSING_SLACK = 1e-9
 
 def numerical_failure(plds, lower: float, upper: float, delta_floor: float) -> str:
     """Why a pass's composed PLDs cannot be trusted, in words ("" if they can): a PMF that is
-    not finite, FFT round-off whose δ error exceeds ``delta_floor`` (the δ resolution the query
-    needs: 1e-2 δ for an ε query, half the tolerance for a δ query), or an optimistic answer
-    above the pessimistic one."""
+    not finite, a pessimistic FFT round-off estimate above ``delta_floor`` (half the δ of an
+    ε query), or an optimistic answer above the pessimistic one."""
     for u, l in plds.values():
         if not (pld.finite(u) and pld.finite(l)):
             return "the composed distribution overflowed (not finite)"
-        roundoff = max(u.roundoff, l.roundoff)
-        if roundoff > delta_floor:
-            return (f"the composition's FFT round-off (about {roundoff:.2g} in δ) is not below "
-                    f"the δ resolved ({delta_floor:.2g})")
+        # The pessimistic side's queries carry its round-off estimate (`pld.LatticePld`):
+        # past `delta_floor` the answer would be mostly that estimate.
+        if u.roundoff > delta_floor:
+            return (f"the composition's FFT round-off (about {u.roundoff:.2g} in δ) is not "
+                    f"below the δ resolved ({delta_floor:.2g})")
     if math.isfinite(upper) and lower > upper + _CROSSING_SLACK * max(1.0, abs(upper)):
         return (f"the optimistic result {lower:.6g} exceeds the pessimistic {upper:.6g} "
                 "(numerical error)")

@@ -51,7 +51,8 @@ class LatticePld:
         round-off of the compositions behind it leaves (the largest negative output entry,
         pure round-off, times the window, summed over compositions): the clipped noise is
         otherwise read as mass (session 22 audit: at δ = 1e-12 the reported ε was 0.8 below
-        the exact one). 0 for PMFs built without FFT.
+        the exact one). δ queries add it to a pessimistic PMF's δ and subtract it from an
+        optimistic one's (an estimate, not a proof); 0 for PMFs built without FFT.
     """
 
     discretization: float
@@ -540,6 +541,8 @@ def delta_for_epsilon(pld: LatticePld, epsilons: Union[float, Sequence[float]]) 
     eps = np.atleast_1d(np.asarray(epsilons, dtype=float))
     if not finite(pld):
         return np.full(eps.shape, 1.0 if pld.pessimistic else 0.0)
+    # The FFT round-off estimate (see `roundoff`) widens each side outwards.
+    slack = pld.roundoff if pld.pessimistic else -pld.roundoff
     upper, weighted = _tail_sums(pld)
     d = pld.discretization
     # first index k with ℓ_k > ε
@@ -550,7 +553,7 @@ def delta_for_epsilon(pld: LatticePld, epsilons: Union[float, Sequence[float]]) 
     kk = k[inside]
     loss_k = (pld.offset + kk) * d
     out[inside] += upper[kk] - np.exp(eps[inside] - loss_k) * weighted[kk]
-    return np.clip(out, 0.0, 1.0)
+    return np.clip(out + slack, 0.0, 1.0)
 
 
 def weighted_q_tail(pld: LatticePld, epsilons: np.ndarray) -> np.ndarray:
@@ -614,6 +617,13 @@ def epsilon_for_delta(pld: LatticePld, delta: float) -> float:
     NaN compared false everywhere and gave 0, session 22 audit)."""
     if not finite(pld):
         return math.inf if pld.pessimistic else 0.0
+    if pld.pessimistic and pld.roundoff > 0:
+        # The smallest ε at which δ plus the FFT round-off estimate is within `delta`.
+        delta -= pld.roundoff
+        if delta <= 0:
+            return math.inf
+    elif pld.roundoff > 0:  # optimistic: δ minus the estimate
+        delta += pld.roundoff
     if pld.infinity_mass > delta:
         return math.inf
     upper, weighted = _tail_sums(pld)
