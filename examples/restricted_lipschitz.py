@@ -137,7 +137,7 @@ def main(argv):
                 excess[i, j, s] = excess_empirical_loss(x, y, weights)
             initial = least_squares_loss(x, y, np.zeros(dim))
             print(f"{decay:5g} {dim:6d} {initial:9.4f} {excess[i, j].mean():30.3e} "
-                  f"{epsilon:8.3f} {time.time() - t:5.1f}", flush=True)
+                  f"{epsilon_text(epsilon):>8s} {time.time() - t:5.1f}", flush=True)
     title = (f"DP-SGD on least squares, ε = {epsilon_text(epsilon, 3)}, δ = {FLAGS.delta:g} for every d\n"
              f"(n = {FLAGS.num_examples}, σ = {sigma:.2f}, q = {q:g}, {steps} steps; "
              f"mean and range over {FLAGS.data_seeds} data draws)")

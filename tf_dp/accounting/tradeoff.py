@@ -79,9 +79,11 @@ def plot_tradeoff(
               label="perfect privacy (β = 1 − α)")
     if epsilon_delta is not None:
         eps, delta = epsilon_delta
+        from tf_dp.accounting.functions import epsilon_text  # local: no import cycle
+
         bound = dp_tradeoff(eps, delta, alphas)
         left.plot(alphas[shown], bound[shown], color="black", lw=1.2, ls="--",
-                  label=f"({eps:.3g}, {delta:g})-DP bound")
+                  label=f"({epsilon_text(eps, 3)}, {delta:g})-DP bound")
         left.fill_between(alphas[shown], 0, bound[shown], color="0.85", alpha=0.6, lw=0,
                           label="excluded by (ε, δ)-DP")
     every = max(1, int(shown.sum()) // 8)

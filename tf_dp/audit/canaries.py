@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from tf_dp.accounting.functions import epsilon_text as _epsilon_text
 from tf_dp.audit import bounds, fdp
 
 __all__ = ["AuditResult", "SCORERS", "gradient_canary_audit", "canary_scores"]
@@ -116,7 +117,7 @@ class AuditResult:
         return (f"audited epsilon >= {self.epsilon_lower_bound:.3f} (confidence "
                 f"{self.confidence:g}, {self.scorer}: {self.num_correct}/{self.num_guesses} "
                 f"right guesses of {self.num_canaries} canaries) vs accountant epsilon "
-                f"{self.epsilon:.3f} at delta {self.delta:g}; f-DP reading: not "
+                f"{_epsilon_text(self.epsilon)} at delta {self.delta:g}; f-DP reading: not "
                 f"{self.gdp_mu:.3f}-GDP (its epsilon {self.gdp_epsilon:.3f}); p-value of the "
                 f"accountant's profile {self.claim_p_value:.3g}"
                 + (" -- VIOLATION: the implementation spends more than it reports"
