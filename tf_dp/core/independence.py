@@ -643,15 +643,21 @@ def _finite_rows(run_pass, xs, ys, n):
     comparisons weight rows by at most 1/n, so a batch whose all-ones pass is finite cannot
     overflow in them (session 22 audit: weights up to 1.5 overflowed a gradient just below
     the float32 maximum, and the check gave up exactly when that example was a probe row)."""
+    return _rows_that_run(lambda x, y, m: _finite_pass(run_pass(x, y, np.ones(m))), xs, ys, n)
+
+
+def _rows_that_run(finite, xs, ys, n):
+    """The rows i of the probe for which ``finite(x, y, m)`` holds and does not raise: all
+    of them if it holds for the whole batch, else each row alone."""
     try:
-        if _finite_pass(run_pass(xs, ys, np.ones(n))):
+        if finite(xs, ys, n):
             return list(range(n))
     except Exception:  # noqa: BLE001 - a row the model cannot take: found below
         pass
     keep = []
     for i in range(n):
         try:
-            if _finite_pass(run_pass(_take(xs, [i]), _take(ys, [i]), np.ones(1))):
+            if finite(_take(xs, [i]), _take(ys, [i]), 1):
                 keep.append(i)
         except Exception:  # noqa: BLE001 - left out, as the private step would stop on it
             pass
@@ -1028,22 +1034,11 @@ class _RowChecker:
 
     @staticmethod
     def _finite_rows(run, xs, ys, n):
-        def finite(result):
+        def finite(x, y, m):
+            result = run(x, y, np.ones(m), np.ones(m))
             return _finite_pass(_Pass(result.values, None, result.grads_1))
 
-        try:
-            if finite(run(xs, ys, np.ones(n), np.ones(n))):
-                return list(range(n))
-        except Exception:  # noqa: BLE001 - a row the model cannot take: found below
-            pass
-        keep = []
-        for i in range(n):
-            try:
-                if finite(run(_take(xs, [i]), _take(ys, [i]), np.ones(1), np.ones(1))):
-                    keep.append(i)
-            except Exception:  # noqa: BLE001 - left out, as the private step would stop on it
-                pass
-        return keep
+        return _rows_that_run(finite, xs, ys, n)
 
     def _ratios(self, s):
         """Distinct ratios rho_k, in a random order. Under float16/bfloat16 they

@@ -461,12 +461,6 @@ class _DatasetSource:
     with probability q."""
 
     def __init__(self, dataset, n):
-        for spec in tf.nest.flatten(dataset.element_spec):
-            # A fully defined shape too: with an unknown dimension one example of another
-            # length would fail every sample that drew it (session 22 audit).
-            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
-                raise ValueError(f"The elements of the dataset `x` must be dense tensors of a "
-                                 f"fixed shape (one example each), got {spec}.")
         if _yields_batches(dataset):
             raise ValueError(
                 "The dataset `x` yields batches (its last transformations include batch()): "
@@ -474,6 +468,12 @@ class _DatasetSource:
                 "be kept or left out together and epsilon would protect batches, not "
                 "examples. Pass the dataset of single examples (before batch(), or after "
                 "unbatch()).")
+        for spec in tf.nest.flatten(dataset.element_spec):
+            # A fully defined shape too: with an unknown dimension one example of another
+            # length would fail every sample that drew it (session 22 audit).
+            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+                raise ValueError(f"The elements of the dataset `x` must be dense tensors of a "
+                                 f"fixed shape (one example each), got {spec}.")
         self.data, self.size = dataset, n
         self._chunk = _chunk_size(dataset.element_spec)
         self._head = None
