@@ -379,9 +379,8 @@ def check_text(name: str, arrays) -> None:
     for a in tf.nest.flatten(arrays):
         if a is None:
             continue
-        a = _as_array(a) if hasattr(a, "dtype") or hasattr(a, "to_numpy") else a
-        if getattr(getattr(a, "dtype", None), "kind", "") in "UO" and a.dtype.kind and not (
-                _all_text(a)):
+        if getattr(getattr(a, "dtype", None), "kind", None) in ("U", "O") and not _all_text(
+                _as_array(a)):
             raise ValueError(
                 f"`{name}` holds a text array with a value that is neither text nor bytes "
                 "(pandas stores a missing text as NaN) or that cannot be encoded as UTF-8. "
