@@ -52,6 +52,11 @@ def _accountant(sigma, q, steps):
     (200.0, 10**5, 1e-10, False),  # round-off at a larger δ
     (1.0, 10**5, 1e-5, False),    # a lattice too short: was [949400, 949400] "converged"
     (100.0, 10**4, 1e-5, True),   # an ordinary run (mu = 1): still converged and tight
+    # No FFT output entry came out negative, so the round-off estimate was 0 (session 23
+    # audit): 266.69050 "converged" for 266.69246, 518.6534 for 518.6586.
+    (0.7, 144, 1e-11, False),
+    (0.7, 144, 1e-12, False),
+    (0.55, 200, 1e-13, False),
 ])
 def test_epsilon_at_q_1_is_never_below_the_exact_one(sigma, steps, delta, tight):
     bounds = _accountant(sigma, 1.0, steps).epsilon_bounds(delta)
@@ -77,14 +82,30 @@ def test_a_long_subsampled_run_is_never_reported_below_a_shorter_one():
         noise_multiplier=5.0, sampling_probability=0.01, count=10**8).rdp_epsilon(1e-5) + 1e-9
 
 
-def test_delta_at_q_1_is_never_below_the_exact_one():
-    sigma, steps = 200.0, 10**5
+@pytest.mark.parametrize("sigma, steps, epsilons", [
+    (200.0, 10**5, (11.99, 8.0)),  # was 0.885x the exact δ
+    (0.7, 144, (266.6905, 270.0)),  # no negative FFT entry: was 2.4616e-13 for 2.4649e-13
+])
+def test_delta_at_q_1_is_never_below_the_exact_one(sigma, steps, epsilons):
     mu = math.sqrt(steps) / sigma
-    for eps in (11.99, 8.0):
+    for eps in epsilons:
         exact = math.exp(_log_gaussian_delta(eps, mu))
         bounds = _accountant(sigma, 1.0, steps).delta_bounds(eps)
-        assert bounds.upper >= exact, (eps, bounds, exact)  # was 0.885x the exact δ
+        assert bounds.upper >= exact, (eps, bounds, exact)
         assert bounds.upper <= 1.0
+
+
+@pytest.mark.parametrize("steps, exact", [(27, 13.28555), (52, 19.33130)])
+def test_bounds_crossing_by_round_off_keep_the_pass_and_epsilon_grows_with_the_steps(
+        steps, exact):
+    # σ = 3, q = 1, δ = 1e-12: the optimistic answer came out a hair above the pessimistic
+    # one, the pass was discarded and RDP's 13.77 reported at 27 steps, then 13.56 at 28
+    # (session 23 audit). Such a crossing is round-off: the pass reports the larger answer.
+    bounds = _accountant(3.0, 1.0, steps).epsilon_bounds(1e-12)
+    assert exact <= bounds.upper <= exact * 1.005, bounds
+    assert bounds.converged and not bounds.reason, bounds
+    assert bounds.upper <= _accountant(3.0, 1.0, steps + 1).epsilon_bounds(1e-12).upper
+    assert _exact_epsilon(3.0, steps, 1e-12) == pytest.approx(exact, abs=1e-4)
 
 
 def test_a_pmf_that_is_not_finite_gives_the_trivial_bounds():

@@ -48,8 +48,9 @@ class LatticePld:
       infinity_mass: P(L = +∞).
       pessimistic: whether this PMF upper-bounds (True) or lower-bounds (False) δ(ε).
       roundoff: an estimate of the absolute error of δ(ε) read from `probs` that the FFT
-        round-off of the compositions behind it leaves (the largest negative output entry,
-        pure round-off, times the window, summed over compositions): the clipped noise is
+        round-off of the compositions behind it leaves (per entry the largest negative output
+        entry, pure round-off, or the FFT's error scale 2^-52 log2(n) max if larger, times the
+        window, summed over compositions: `_clipped`): the clipped noise is
         otherwise read as mass (session 22 audit: at δ = 1e-12 the reported ε was 0.8 below
         the exact one). δ queries add it to a pessimistic PMF's δ and subtract it from an
         optimistic one's (an estimate, not a proof); 0 for PMFs built without FFT.
@@ -400,8 +401,18 @@ def truncate(pld: LatticePld, floor_index: Optional[int], cap_index: Optional[in
 
 def _clipped(out: np.ndarray) -> Tuple[np.ndarray, float]:
     """FFT output with its round-off clipped at 0, and the δ error that round-off may leave:
-    the largest negative entry (pure round-off) times the number of entries."""
-    noise = float(-min(np.min(out), 0.0)) if out.size else 0.0
+    per entry the larger of the largest negative entry (pure round-off) and the FFT's own
+    error scale, 2^-52 log2(n) times the largest entry, times the number of entries n.
+
+    The floor is needed where no entry came out negative: at σ = 0.7, 144 Gaussian steps and
+    δ = 1e-12 the smallest entry was +3.5e-20, the estimate 0, and ε 266.69050 was reported
+    (converged) for an exact 266.69246 (session 23 audit). The floor there is ~8e-20 per
+    entry, ~8e-15 in δ, and the same pass in long double gives 266.6952."""
+    if not out.size:
+        return out, 0.0
+    largest = float(np.max(np.abs(out)))
+    noise = max(float(-min(np.min(out), 0.0)),
+                2.0 ** -52 * math.log2(max(out.size, 2)) * largest)
     if not math.isfinite(noise):
         noise = math.inf
     return np.maximum(out, 0.0), noise * out.size
@@ -499,6 +510,12 @@ def self_compose(
         )
         if pld.pessimistic:
             inf_mass += TAIL_MASS_TRUNCATION
+        else:
+            # The mass outside the window (at most TAIL_MASS_TRUNCATION) is aliased back
+            # into it and may land in the upper tail: an optimistic δ may be that much too
+            # high (at δ = 1e-12 it put the optimistic ε above the exact one: σ = 3, 27
+            # steps, 13.28601 for 13.28555; session 23 audit).
+            roundoff += TAIL_MASS_TRUNCATION
         out = LatticePld(
             pld.discretization,
             pld.offset * num_times + lo,
