@@ -156,5 +156,34 @@ def test_a_label_missing_from_class_weight_does_not_stop_fit():
     assert int(model.optimizer.iterations) == 4
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_class_weight_on_a_sampler_or_dataset_is_refused_before_any_step():
+    # Session 23 audit: for a PoissonSampler (or a dataset) Keras' own class weighting
+    # gathered from a table as long as the dict's largest class; one label beyond it stopped
+    # fit at the step that sampled it (after 6 of 60 steps), and only then.
+    from tf_dp.data import PoissonSampler
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3)).astype(np.float32)
+    y = rng.integers(0, 2, size=200).astype(np.int64)
+    y[123] = 2
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                       keras.layers.Dense(3)]))
+    model.compile(optimizer=tf_dp.DPSGD(1.0, 1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    weights = {0: 1.0, 1: 2.0}
+    sampler = PoissonSampler(x, y, expected_batch_size=10)
+    for data in (sampler, sampler.dataset()):
+        with pytest.raises(ValueError, match="class_weight"):
+            model.fit(data, epochs=2, class_weight=weights, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    assert not any(c.startswith("CLASS_WEIGHT") for c in model.privacy_report()["caveats"])
+    # The per-example weights the message points to train every step.
+    weighted = PoissonSampler(x, y, sample_weight=np.where(y == 1, 2.0, 1.0),
+                              expected_batch_size=10)
+    model.fit(weighted, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == weighted.steps_per_epoch
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

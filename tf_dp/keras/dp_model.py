@@ -367,6 +367,17 @@ class DPTrainMixin:
         opt = _dp_optimizer_of(getattr(self, "optimizer", None))
         if opt is None:
             raise TypeError("Call compile() with a tf_dp DP optimizer before fit().")
+        if kwargs.get("class_weight") is not None and not _is_array_like(x):
+            # Keras weighs a dataset's batches by gathering from a table as long as the
+            # largest class in the dict: a label beyond it stops fit at the step that sampled
+            # it, which tells that example was in that batch (session 23 audit: a
+            # PoissonSampler stopped after 6 of 60 steps). On arrays the weights are formed
+            # up front, absent classes weighing 1.
+            raise ValueError(
+                "`class_weight` is supported for array inputs only (x, y as arrays); for a "
+                f"{type(x).__name__} pass per-example weights instead: "
+                "PoissonSampler(x, y, sample_weight=...) or a dataset of (x, y, "
+                "sample_weight).")
         _note_class_weight(self, kwargs.get("class_weight"))
         self._dp_drain()
         _check_declared_size(x, dataset_size, sampling_probability, poisson_sampling)
@@ -443,6 +454,9 @@ class DPTrainMixin:
                                              expected_batch_size=expected_size,
                                              pad_to=pad_to, seed=opt._next_sampler_seed())
                 else:
+                    if sample_weight is None and kwargs.get("class_weight") is not None:
+                        # As above: each worker's shard samples weights formed up front.
+                        sample_weight = _class_weights(y, kwargs.pop("class_weight"))
                     sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
                                                     sample_weight,
                                                     schedule.scaled(k) if schedule is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import keras
 
@@ -20,7 +21,8 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     The steps themselves are recorded by the optimizer where the noise is added (its ledger);
     after every batch this callback moves them into the model's accountant. At the end of each
-    epoch it puts ``epsilon`` (at the model's ``privacy_delta``) in the logs; for JL optimizers
+    epoch it puts ``epsilon`` (at the model's ``privacy_delta``, rounded up to the digits the
+    progress bar prints: ``shown_up``) in the logs; for JL optimizers
     also ``epsilon_exact_clipping``, the epsilon exact clipping would have at the same sigma,
     q and steps, with a warning when the JL one is much larger. With a ``target_epsilon``,
     ``fit`` cuts the data stream at the last affordable step and this callback stops training
@@ -59,17 +61,37 @@ class PrivacyCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        logs["epsilon"] = self.model.epsilon()
+        epsilon = self.model.epsilon()
+        logs["epsilon"] = shown_up(epsilon)
         if self.model.exact_clipping_accountant.steps:
             exact = self.model.epsilon(exact_clipping=True)
-            logs["epsilon_exact_clipping"] = exact
-            if not self._warned and logs["epsilon"] > JL_GAP_WARNING * exact:
+            logs["epsilon_exact_clipping"] = shown_up(exact)
+            if not self._warned and epsilon > JL_GAP_WARNING * exact:
                 self._warned = True
                 _LOG.warning(
                     "tf_dp: JL norms cost epsilon %s; exact clipping at the same sigma, q and "
                     "steps would cost %s: use larger r (or exact clipping) for the final run; "
                     "small r is for fast hyper-parameter search (Bu et al. 2021).",
-                    epsilon_text(logs["epsilon"]), epsilon_text(exact))
+                    epsilon_text(epsilon), epsilon_text(exact))
+
+
+def shown_up(value: float) -> float:
+    """``value`` rounded UP to the digits Keras' progress bar prints (``%.4f`` above 1e-3,
+    ``%.4e`` below), so that the bar never shows an epsilon below the accountant's: it
+    rounds to nearest, and showed 2.8545 for 2.85452747 (session 23 audit). The logs, and
+    so History, hold this value; ``model.epsilon()`` is unrounded."""
+    import decimal
+
+    if not math.isfinite(value) or value <= 0:
+        return value
+    up = decimal.ROUND_CEILING
+    exact = decimal.Decimal(value)
+    if value <= 1e-3:
+        exact = exact.quantize(decimal.Decimal(1).scaleb(exact.adjusted() - 4), rounding=up)
+    if exact > decimal.Decimal("1e-3"):  # (also where the line above rounded past 1e-3)
+        exact = exact.quantize(decimal.Decimal("0.0001"), rounding=up)
+    rounded = float(exact)
+    return rounded if rounded >= value else math.nextafter(rounded, math.inf)
 
 
 def max_additional_steps(accountant, target_epsilon, delta, mechanism, limit=10**8):
