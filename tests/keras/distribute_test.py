@@ -119,6 +119,21 @@ class _nullscope:
 # ------------------------------------------------------------------ same weights as one device
 
 
+def test_replicas_draw_whole_table_directions_under_jl(request):
+    # Replicas share the step's JL seed and each looks up its own share of the batch: rows
+    # drawn per replica would give rank m of one replica and rank m of another one vector
+    # whatever their ids, so how the batch splits would decide which examples share a
+    # direction (tests/privacy/jl_table_parts_test.py, session 23 audit).
+    if not _in_two_cpu_process(request):
+        return
+    from tf_dp.core import jl
+
+    assert jl.rows_only_allowed()
+    per_replica = _strategy().run(lambda: tf.constant(jl.rows_only_allowed()))
+    values = _strategy().experimental_local_results(per_replica)
+    assert len(values) == 2 and not any(bool(v) for v in values)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_mirrored_fixed_batches_match_one_device(request, k):
     if not _in_two_cpu_process(request):

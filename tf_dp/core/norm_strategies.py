@@ -287,10 +287,11 @@ class JL(NormStrategy):
         r = self._r
         # Only the rows the batch looks up, for a table with embedding factors; not under
         # XLA, whose random ops need a static shape (how many rows a batch looks up depends
-        # on the data: the step failed to run). There the whole table's directions are
-        # drawn; on the looked-up rows they have the same law (jl.draw_rows).
+        # on the data: the step failed to run), and not where parts of a step or replicas
+        # share its seed (jl.whole_tables). There the whole table's directions are drawn;
+        # on the looked-up rows they have the same law (jl.draw_rows).
         rows_only = (isinstance(factors, EmbeddingFactors)
-                     and not _internals.compiling_with_xla())
+                     and not _internals.compiling_with_xla() and jl.rows_only_allowed())
         if rows_only:
             rows, pos = factors.unique_rows()
         with tf.name_scope(f"jl_directions_{index}"), \

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_dp import _internals, _validation
 from tf_dp.core import losses as losses_lib
-from tf_dp.core import carriers, clipping, ghost, independence, private_step
+from tf_dp.core import carriers, clipping, ghost, independence, jl, private_step
 from tf_dp.core import loss_scale as loss_scale_lib
 from tf_dp.keras import budget as budget_lib
 from tf_dp.keras.budget import PrivacyBudget
@@ -974,9 +974,12 @@ class DPTrainMixin:
         # Accumulated in float64 (ghost.SUM_DTYPE, the micro-batches' sums' dtype): a float32
         # accumulator of huge logical batches would round their sums before the noise.
         zeros = [tf.zeros(v.shape, ghost.SUM_DTYPE) for v in variables]
-        out = tf.while_loop(lambda j, *acc: j < k, body,
-                            (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
-                            parallel_iterations=1)
+        # The parts share the step's JL seed: JL draws whole table directions here, so that
+        # a table row gets one vector in every part (jl.whole_tables; session 23 audit).
+        with jl.whole_tables():
+            out = tf.while_loop(lambda j, *acc: j < k, body,
+                                (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
+                                parallel_iterations=1)
         return list(out[2:]), out[1]
 
     def _dp_update_metrics(self, x, y, result, sample_weight):
