@@ -136,7 +136,8 @@ def test_a_callbacks_own_steps_during_fit_are_accounted_at_q_1():
         counts[round(q, 9)] = counts.get(round(q, 9), 0) + count
     assert counts == {0.2: 5, 1.0: 6}, _phases(model)
     assert int(model.optimizer.iterations) == 11
-    np.testing.assert_allclose(model.epsilon(), _epsilon((0.2, 5), (1.0, 6)), rtol=1e-9)
+    # (rtol: the model composes its phases in the order taken, the reference grouped)
+    np.testing.assert_allclose(model.epsilon(), _epsilon((0.2, 5), (1.0, 6)), rtol=1e-8)
 
 
 
