@@ -172,6 +172,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     check_exact_float_arithmetic()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
+    x, y, sample_weight = dynamic_batch((x, y, sample_weight))
     n = batch_size_of(x)
     min_rows = MIN_ROWS if min_rows is None else int(min_rows)
     x, y, sample_weight = _at_least_min_rows(x, y, sample_weight, n, min_rows)
@@ -182,6 +183,55 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     real = lambda t: None if t is None else t[:n]  # noqa: E731
     return ClippedSum(grads=out.grads, losses=real(out.losses),
                       y_pred=tf.nest.map_structure(real, out.y_pred), norms=real(out.norms))
+
+
+def dynamic_batch(structure):
+    """``structure`` with the batch dimension of its dense tensors made unknown to the
+    graph, in a traced step outside XLA (eagerly, or under XLA, unchanged).
+
+    The same batch rounded differently in a graph traced with a static batch dimension than
+    in one traced with a dynamic one (the LSTM ghost rule, Embedding -> LayerNormalization:
+    kernels and code paths chosen from a known size). Keras traces ``train_on_batch``'s first
+    batch size static and later ones dynamic, so two neighbouring batches could run in the
+    two graphs: one example moved the clipped sum by 3.04 C past 30 crafted examples whose
+    gradients are mostly rounding (session 23 audit;
+    ``tests/privacy/static_batch_shape_test.py``). With the batch dimension always dynamic
+    every private step runs the one kind of graph. (XLA compiles each shape on its own:
+    ``XLA_BATCH_SHAPES``, and fit pads to one shape there.)
+
+    Hidden from Grappler too: every batched tensor is sliced to its first ``tf.shape(t)[0] +
+    zero`` rows (all of them, a view), with ``zero`` an integer 0 from a stateful op
+    (``tf.timestamp() < 0``) that no graph optimisation folds, so no shape inference can
+    recover the count. ``PlaceholderWithDefault`` hid the size from TensorFlow's shape
+    inference but not from Grappler's (a reshape to ``[rows, ...]`` neither: its output's
+    count follows from the input's), whose constant folding then still made a mean's
+    gradient (GlobalAveragePooling1D after a LayerNormalization) divide by a constant where
+    the dynamic graph divides by a computed count, rounding differently. Tensors traced
+    with a dynamic batch take the same ops, so both kinds of trace hold one graph."""
+    if tf.executing_eagerly() or _internals.compiling_with_xla():
+        return structure
+    batched = [t for t in tf.nest.flatten(structure)
+               if isinstance(t, tf.Tensor) and t.shape.rank]
+    if not batched:
+        return structure
+    with tf.name_scope(DYNAMIC_BATCH_SCOPE):
+        zero = tf.cast(tf.timestamp() < 0.0, tf.int32)
+
+        def dynamic(t):
+            if not any(t is u for u in batched):
+                return t
+            rank = t.shape.rank
+            rows = tf.shape(t, out_type=tf.int32)[0] + zero
+            out = tf.slice(t, tf.constant([0] * rank, tf.int32),
+                           tf.stack([rows] + [-1] * (rank - 1)))
+            out.set_shape([None] + t.shape[1:].as_list())  # the other dimensions as they were
+            return out
+
+        return tf.nest.map_structure(dynamic, structure)
+
+
+#: the name scope of the ops that hide a static batch dimension (before the model: no norm)
+DYNAMIC_BATCH_SCOPE = "tf_dp_dynamic_batch"
 
 
 def _at_least_min_rows(x, y, sample_weight, n, min_rows=MIN_ROWS):

@@ -1,0 +1,123 @@
+"""An example's term does not depend on whether its step was traced with a static or a
+dynamic batch dimension (session 23 audit).
+
+Keras traces ``train_on_batch``'s first batch size with a static batch dimension and later
+sizes with a dynamic one, so two neighbouring batches (with and without one example) can run
+in the two graphs. The LSTM ghost rule and Embedding -> LayerNormalization rounded an
+example's factors differently in them (3.5e-8 and 8.7e-8 relative; 38 % for an example made
+of two inputs an ulp apart at 1e9, whose gradient is mostly rounding), and 30 such examples
+let one ordinary example move the clipped sum by 3.04 C. ``clipped_sum`` now runs every
+private step with a dynamic batch dimension (``private_step.dynamic_batch``), outside XLA,
+which compiles each shape on its own (``XLA_BATCH_SHAPES``).
+"""
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dp
+from tf_dp.core import clipped_sum
+
+_T, _F, _CLIP = 4, 3, 1e-6
+_WEIGHTS = tf.constant([1.0, 2.0, 3.0, 4.0])
+
+
+def _shared_lstm():
+    """Two inputs through one LSTM(4), outputs subtracted: two inputs an ulp apart at 1e9
+    make an example whose gradient is mostly rounding."""
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((_T, _F)), keras.Input((_T, _F))
+    lstm = keras.layers.LSTM(4)
+    model = keras.Model([a, b], keras.layers.Subtract()([lstm(a), lstm(b)]))
+    k, rk, bias = lstm.get_weights()
+    lstm.set_weights([k * 1e-9, rk, bias])  # gates unsaturated for inputs of 1e9
+    return model
+
+
+def _loss(y_true, y_pred):
+    return tf.reduce_sum(tf.cast(y_pred, tf.float32) * _WEIGHTS, -1)
+
+
+def _crafted(n, copies, rng):
+    xa = rng.normal(size=(n, _T, _F)).astype(np.float32)
+    xb = xa.copy()  # identical inputs: gradient exactly 0
+    u = (1e9 * rng.normal(size=(_T, _F))).astype(np.float32)
+    xa[:copies], xb[:copies] = u, np.nextafter(u, np.float32(np.inf))
+    return xa, xb
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vectorized"])
+def test_one_example_moves_the_sum_by_at_most_c_across_train_on_batch_graphs(strategy):
+    model = tf_dp.keras.make_private(_shared_lstm())
+    opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=1.0,
+                      norm_strategy=strategy)
+    model.compile(optimizer=opt, loss=_loss)
+    sums = {}
+    original = type(opt).apply_private
+
+    def capture(self, clipped_sums, variables, expected, **kw):
+        # The float64 clipped sums, before the (zero) noise.
+        if "vars" not in sums:
+            with tf.init_scope():
+                sums["vars"] = [tf.Variable(tf.zeros(g.shape, tf.float64))
+                                for g in clipped_sums]
+        with tf.control_dependencies([v.assign(g) for v, g in zip(sums["vars"], clipped_sums)]):
+            clipped_sums = [tf.identity(g) for g in clipped_sums]
+        return original(self, clipped_sums, variables, expected, **kw)
+
+    object.__setattr__(opt, "apply_private", capture.__get__(opt))
+    xa, xb = _crafted(33, 30, np.random.default_rng(0))
+    xb[32] = xa[32] + 1.0  # z, an ordinary example
+    y = np.zeros((33, 1), np.float32)
+    model.train_on_batch([xa[:32], xb[:32]], y[:32])  # the first call: a static batch
+    start = [w.copy() for w in model.get_weights()]
+
+    def step(n):
+        model.set_weights(start)
+        model.train_on_batch([xa[:n], xb[:n]], y[:n])  # 33 rows: a dynamic batch
+        return np.concatenate([v.numpy().ravel() for v in sums["vars"]])
+
+    without_z, with_z = step(32), step(33)
+    assert np.linalg.norm(with_z - without_z) <= _CLIP * (1 + 1e-6)  # was 3.04 C
+
+
+def _terms(model, inputs, static):
+    """Each of the first three examples' own clipped term (weight 1, the others 0), the step
+    traced with a static or a dynamic batch dimension."""
+    n = len(inputs[0])
+    rows = n if static else None
+    specs = [tf.TensorSpec((rows,) + a.shape[1:], a.dtype) for a in inputs]
+
+    @tf.function(input_signature=[specs, tf.TensorSpec([rows], tf.float32)])
+    def own(x, w):
+        out = clipped_sum(model, x if len(x) > 1 else x[0], tf.zeros([tf.shape(w)[0], 1]), w,
+                          lambda yt, yp, sw: _loss(yt, yp) * sw, 1e30, norm_strategy="auto")
+        return tf.concat([tf.reshape(g, [-1]) for g in out.grads], 0)
+
+    return np.stack([own(list(inputs), tf.constant(np.eye(n, dtype=np.float32)[i])).numpy()
+                     for i in range(3)])
+
+
+def _embedding_layer_norm():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 8),
+                             keras.layers.LayerNormalization(), keras.layers.GlobalAveragePooling1D(),
+                             keras.layers.Dense(4)])
+
+
+@pytest.mark.parametrize("name", ["shared_lstm", "embedding_layer_norm"])
+def test_an_examples_term_is_the_same_with_a_static_or_a_dynamic_batch(name):
+    rng = np.random.default_rng(1)
+    if name == "shared_lstm":
+        model, inputs = _shared_lstm(), list(_crafted(32, 2, rng))
+    else:
+        model, inputs = _embedding_layer_norm(), [rng.integers(0, 20, (32, 6)).astype(np.int32)]
+    static, dynamic = _terms(model, inputs, True), _terms(model, inputs, False)
+    np.testing.assert_array_equal(static, dynamic)  # was 38 % and 8.7e-8 apart
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
