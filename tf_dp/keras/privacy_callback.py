@@ -85,12 +85,14 @@ def shown_up(value: float) -> float:
     if not math.isfinite(value) or value <= 0:
         return value
     up = decimal.ROUND_CEILING
-    exact = decimal.Decimal(value)
-    if value <= 1e-3:
-        exact = exact.quantize(decimal.Decimal(1).scaleb(exact.adjusted() - 4), rounding=up)
-    if exact > decimal.Decimal("1e-3"):  # (also where the line above rounded past 1e-3)
-        exact = exact.quantize(decimal.Decimal("0.0001"), rounding=up)
-    rounded = float(exact)
+    # Digits enough for any float's exact value at 4 decimals (1e300 has 301 before them).
+    with decimal.localcontext(decimal.Context(prec=1200)):
+        exact = decimal.Decimal(value)
+        if value <= 1e-3:
+            exact = exact.quantize(decimal.Decimal(1).scaleb(exact.adjusted() - 4), rounding=up)
+        if exact > decimal.Decimal("1e-3"):  # (also where the line above rounded past 1e-3)
+            exact = exact.quantize(decimal.Decimal("0.0001"), rounding=up)
+        rounded = float(exact)
     return rounded if rounded >= value else math.nextafter(rounded, math.inf)
 
 
