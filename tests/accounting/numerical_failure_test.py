@@ -95,6 +95,16 @@ def test_delta_at_q_1_is_never_below_the_exact_one(sigma, steps, epsilons):
         assert bounds.upper <= 1.0
 
 
+def test_a_refinement_stopped_by_round_off_is_cross_checked_with_rdp():
+    # σ = 50, q = 1, 1e5 steps, δ = 1e-13: the sound passes left 83.94, "converged", for an
+    # exact 65.82 while RDP gives 67.68 (session 23 review): RDP's valid ε is reported.
+    acc = _accountant(50.0, 1.0, 10**5)
+    bounds = acc.epsilon_bounds(1e-13)
+    exact = _exact_epsilon(50.0, 10**5, 1e-13)
+    assert exact <= bounds.upper <= acc.rdp_epsilon(1e-13) + 1e-9, (bounds, exact)
+    assert bounds.upper < 1.05 * exact
+
+
 @pytest.mark.parametrize("steps, exact", [(27, 13.28555), (52, 19.33130)])
 def test_bounds_crossing_by_round_off_keep_the_pass_and_epsilon_grows_with_the_steps(
         steps, exact):
