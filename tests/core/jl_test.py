@@ -129,8 +129,10 @@ def _seed(a, b):
 
 
 def _jl(model, x, y, loss_fn, r, clip=1e9, seed=(7, 0)):
-    return clipped_sum(model, x, y, None, loss_fn, clip, norm_strategy="jl", num_projections=r,
-                       seed=_seed(*seed))
+    # As the Keras step runs one part: a table's directions on its looked-up rows alone.
+    with jl.one_part_step():
+        return clipped_sum(model, x, y, None, loss_fn, clip, norm_strategy="jl",
+                           num_projections=r, seed=_seed(*seed))
 
 
 def _jl_norms_fn(model, x, y, loss_fn, r):
@@ -284,8 +286,9 @@ def test_projections_match_finite_differences(name, r):
     fd = np.stack([_central_differences(model, x, y, loss_fn, d) for d in dirs])  # (r, B)
     # clipped_sum draws its directions from the same seed (an embedding table's on the
     # batch's ids only): M_i = sqrt(mean_j fd_ij^2) along them.
-    res = clipped_sum(model, x, y, None, loss_fn, 1e9, norm_strategy="jl", num_projections=r,
-                      seed=seed)
+    with jl.one_part_step():  # as the Keras step runs one part
+        res = clipped_sum(model, x, y, None, loss_fn, 1e9, norm_strategy="jl",
+                          num_projections=r, seed=seed)
     step_fd = np.stack([_central_differences(model, x, y, loss_fn, d)
                         for d in ref.jl_step_directions(model, x, r, seed)])
     np.testing.assert_allclose(res.norms.numpy(), np.sqrt(np.mean(step_fd ** 2, axis=0)),

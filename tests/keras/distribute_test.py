@@ -128,8 +128,14 @@ def test_replicas_draw_whole_table_directions_under_jl(request):
         return
     from tf_dp.core import jl
 
-    assert jl.rows_only_allowed()
-    per_replica = _strategy().run(lambda: tf.constant(jl.rows_only_allowed()))
+    with jl.one_part_step():
+        assert jl.rows_only_allowed()
+
+    def replica():
+        with jl.one_part_step():
+            return tf.constant(jl.rows_only_allowed())
+
+    per_replica = _strategy().run(replica)
     values = _strategy().experimental_local_results(per_replica)
     assert len(values) == 2 and not any(bool(v) for v in values)
 

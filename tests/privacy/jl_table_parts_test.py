@@ -9,8 +9,10 @@ accumulation) share one JL seed: rank m of one part and rank m of another (with 
 distinct ids) got the same vector whatever their ids. One example, by moving the part
 boundaries, then decided which other examples shared a direction and so their JL clip
 factors: 15 crafted pairs moved the released sum by 1.3 C median at r = 5 (16 C at r = 1),
-the example's own term ~1e-27 C. Parts (and replicas, ``tests/keras/distribute_test.py``)
-now draw whole table directions (``jl.whole_tables``), which give row ``id`` one vector.
+the example's own term ~1e-27 C. Rows alone are now drawn only where tf_dp's Keras step
+runs the logical step as one part on one replica (``jl.one_part_step``); parts, replicas
+(``tests/keras/distribute_test.py``) and custom loops calling ``clipped_sum`` on parts draw
+whole table directions, which give row ``id`` one vector.
 """
 
 import sys
@@ -86,13 +88,58 @@ def test_a_rows_jl_direction_does_not_depend_on_the_part_that_looks_it_up(parts)
 
 
 def test_rows_alone_only_where_one_part_runs_the_step():
-    assert jl.rows_only_allowed()
-    with jl.whole_tables():
-        assert not jl.rows_only_allowed()
-        with jl.whole_tables():
-            assert not jl.rows_only_allowed()
-        assert not jl.rows_only_allowed()
-    assert jl.rows_only_allowed()
+    assert not jl.rows_only_allowed()
+    with jl.one_part_step():
+        assert jl.rows_only_allowed()
+        with jl.one_part_step():
+            assert jl.rows_only_allowed()
+        assert jl.rows_only_allowed()
+    assert not jl.rows_only_allowed()
+
+
+def test_the_one_part_context_is_per_thread():
+    # Review: with one global depth, a custom loop traced in another thread while a one-part
+    # Keras step was being traced drew rows alone again.
+    import threading
+
+    seen = []
+    with jl.one_part_step():
+        other = threading.Thread(target=lambda: seen.append(jl.rows_only_allowed()))
+        other.start()
+        other.join()
+        assert jl.rows_only_allowed()
+    assert seen == [False]
+
+
+def test_a_custom_loop_over_parts_with_one_seed_draws_whole_tables():
+    # Review of the first fix: clipped_sum called on the parts of one step with one seed
+    # (what max_physical_batch_size does) still matched rows by rank: b's term moved by
+    # 19-486 % with z, of weight 1e-30, shifting the parts. Whole tables are the default.
+    from tf_dp.core import clipped_sum
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,), dtype="int32"), keras.layers.Embedding(16, 4),
+                              keras.layers.Flatten()])
+    loss = lambda yt, yp, sw: _loss(yt, yp) * sw  # noqa: E731
+
+    @tf.function
+    def two_parts(x, w, seed):
+        sums = None
+        for lo, hi in ((0, 16), (16, tf.shape(w)[0])):
+            out = clipped_sum(model, x[lo:hi], tf.zeros([hi - lo, 1]), w[lo:hi], loss, 1.0,
+                              norm_strategy=tf_dp.JL(1), seed=seed, min_rows=16)
+            sums = out.grads if sums is None else [a + b for a, b in zip(sums, out.grads)]
+        return sums[0][7]
+
+    for s in (1, 2, 3):
+        seed = tf.constant([s, 7], tf.int64)
+        terms = []
+        for with_z in (True, False):
+            x, w = _layout(with_z, "max_physical_batch_size")
+            only = np.where(x[:, 0] == 7, w, 0.0).astype(np.float32)
+            terms.append(two_parts(tf.constant(x), tf.constant(only), seed).numpy())
+        np.testing.assert_allclose(terms[0], terms[1], rtol=1e-9)
+        assert np.linalg.norm(terms[0]) > 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ erase every other example's gradient.)
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -35,37 +36,41 @@ _DIRECTION_STREAM = 0x4A4C  # separates projection seeds from noise seeds ("JL")
 _ROWS_STREAM = 0x524F  # "RO"
 
 
-_WHOLE_TABLES_DEPTH = [0]
+_ONE_PART = threading.local()
 
 
 @contextlib.contextmanager
-def whole_tables():
-    """Within it, JL steps traced draw whole directions for embedding tables too, not only
-    the looked-up rows (``rows_only`` below). Entered around the parts of a logical step
-    (``max_physical_batch_size``, gradient accumulation), which share one JL seed.
+def one_part_step():
+    """Within it, JL steps traced may draw a table's directions on the looked-up rows only
+    (``draw_rows``); everywhere else they draw whole directions. Entered by tf_dp's Keras
+    step around a logical step run as ONE batch: the only place that knows its step seed is
+    not shared with another part.
 
     ``draw_rows`` matches its rows to a batch's distinct ids by their order, so its vector
     for an id depends on the batch's other ids. Within one batch that is a relabelling of
-    i.i.d. rows. Across parts that share a seed it is not: rank m of one part and rank m of
-    another (with as many distinct ids) got the same vector whatever their ids, and one
-    example, by moving the part boundaries, decided which other examples shared a direction
-    (their JL clip factors then moved the sum by 1.3 C median at r = 5 and 16 C at r = 1,
-    the example's own term ~1e-27 C; session 23 audit). A whole direction gives row ``id``
-    the same vector in every part. Replicas of a strategy (which share the step's seed)
-    draw whole tables too (``rows_only``). A global depth, not a thread-local: replicas
-    trace in threads of their own."""
-    _WHOLE_TABLES_DEPTH[0] += 1
+    i.i.d. rows. Across parts of one step that share a seed it is not: rank m of one part
+    and rank m of another (with as many distinct ids) got the same vector whatever their
+    ids, and one example, by moving the part boundaries, decided which other examples
+    shared a direction (their JL clip factors then moved the sum by 1.3 C median at r = 5
+    and 16 C at r = 1, the example's own term ~1e-27 C; session 23 audit). The parts of
+    ``max_physical_batch_size`` and gradient accumulation, replicas (which share the
+    step's seed), and any custom loop calling ``clipped_sum`` on parts with one seed (the
+    review of the first fix: 19-486 % moves of another example's term) therefore draw
+    whole directions, which give row ``id`` one vector wherever it is looked up. Per
+    thread: a custom loop traced in another thread meanwhile must not be let in (review:
+    the first, global depth did); each replica enters it in its own tracing thread."""
+    _ONE_PART.depth = getattr(_ONE_PART, "depth", 0) + 1
     try:
         yield
     finally:
-        _WHOLE_TABLES_DEPTH[0] -= 1
+        _ONE_PART.depth -= 1
 
 
 def rows_only_allowed() -> bool:
-    """Whether a table's directions may be drawn on the looked-up rows alone: one part per
-    logical step (not inside ``whole_tables``) on one replica (replicas share the step's JL
-    seed, and each looks up its own share of the batch)."""
-    if _WHOLE_TABLES_DEPTH[0]:
+    """Whether a table's directions may be drawn on the looked-up rows alone: inside
+    ``one_part_step`` and on one replica (replicas share the step's JL seed, and each looks
+    up its own share of the batch)."""
+    if not getattr(_ONE_PART, "depth", 0):
         return False
     return tf.distribute.get_strategy().num_replicas_in_sync == 1
 
@@ -123,8 +128,9 @@ def draw_rows(variable, index: int, num_projections: int, seed, num_rows, seeds=
     of the data, the law of a whole direction's restriction to those rows: the projections
     have exactly the law they have with a whole direction, which is what the JL accounting
     assumes. Within a batch each example that looks a row up sees the same vector. Only for
-    a step run as one batch on one replica (``rows_only_allowed``): parts of a step and
-    replicas share its seed, and there ranks, not ids, would pick the vectors.
+    a step run as one batch on one replica (``one_part_step``, ``rows_only_allowed``):
+    parts of a step and replicas share its seed, and there ranks, not ids, would pick the
+    vectors.
 
     Direction j's rows: ``gaussian.normal([num_rows, width], fold_seed(s_j,
     _ROWS_STREAM))`` with ``s_j`` the seed of :func:`draw`'s direction j (``seeds``: as

@@ -287,8 +287,9 @@ class JL(NormStrategy):
         r = self._r
         # Only the rows the batch looks up, for a table with embedding factors; not under
         # XLA, whose random ops need a static shape (how many rows a batch looks up depends
-        # on the data: the step failed to run), and not where parts of a step or replicas
-        # share its seed (jl.whole_tables). There the whole table's directions are drawn;
+        # on the data: the step failed to run), and only where the step is known to run as
+        # one part on one replica (jl.one_part_step). Elsewhere the whole table's
+        # directions are drawn;
         # on the looked-up rows they have the same law (jl.draw_rows).
         rows_only = (isinstance(factors, EmbeddingFactors)
                      and not _internals.compiling_with_xla() and jl.rows_only_allowed())

@@ -866,7 +866,10 @@ class DPTrainMixin:
             independence.check_before_private_training(self, x, y, sample_weight,
                                                        self._dp_loss, variables=variables)
         if k == 1 and max_rows is None:
-            grads, count = self._dp_micro_step(x, y, sample_weight, variables, jl_seed, clip)
+            # One part: JL may draw a table's directions on its looked-up rows alone.
+            with jl.one_part_step():
+                grads, count = self._dp_micro_step(x, y, sample_weight, variables, jl_seed,
+                                                   clip)
         else:
             grads, count = self._dp_accumulate(x, y, sample_weight, variables, k, jl_seed,
                                                max_rows, clip)
@@ -974,12 +977,11 @@ class DPTrainMixin:
         # Accumulated in float64 (ghost.SUM_DTYPE, the micro-batches' sums' dtype): a float32
         # accumulator of huge logical batches would round their sums before the noise.
         zeros = [tf.zeros(v.shape, ghost.SUM_DTYPE) for v in variables]
-        # The parts share the step's JL seed: JL draws whole table directions here, so that
-        # a table row gets one vector in every part (jl.whole_tables; session 23 audit).
-        with jl.whole_tables():
-            out = tf.while_loop(lambda j, *acc: j < k, body,
-                                (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
-                                parallel_iterations=1)
+        # The parts share the step's JL seed: JL draws whole table directions here (no
+        # jl.one_part_step), so that a table row gets one vector in every part.
+        out = tf.while_loop(lambda j, *acc: j < k, body,
+                            (tf.constant(0), tf.constant(0.0, tf.float64), *zeros),
+                            parallel_iterations=1)
         return list(out[2:]), out[1]
 
     def _dp_update_metrics(self, x, y, result, sample_weight):
