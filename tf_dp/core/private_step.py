@@ -69,7 +69,8 @@ def _process_start_environment() -> dict:
 
 
 #: The variables as they were when tf_dp's private step was first imported.
-_AT_IMPORT = {name: os.environ.get(name) for name in _REDUCED_PRECISION_MATH_VARIABLES}
+_AT_IMPORT = {name: os.environ.get(name)
+              for name in _REDUCED_PRECISION_MATH_VARIABLES + ("TF_XLA_FLAGS",)}
 
 
 def _reduced_precision(value) -> bool:
@@ -106,6 +107,57 @@ def check_exact_float_arithmetic():
                     "not hold). TensorFlow and oneDNN read it once per process, so "
                     "unsetting it now does not help: start a new process without it (or "
                     "with it set to 'STRICT').")
+
+
+def _auto_jit_flag(flags) -> str:
+    """The ``--tf_xla_auto_jit`` value in a TF_XLA_FLAGS string if it turns auto-clustering
+    on ("" if not: unset, 0 or -1)."""
+    for part in (flags or "").replace("\n", " ").split():
+        if part.startswith("--tf_xla_auto_jit="):
+            value = part.split("=", 1)[1].strip()
+            if value not in ("", "0", "-1"):
+                return value
+    return ""
+
+
+def check_no_xla_auto_clustering():
+    """Refuses a private step while XLA auto-clustering is on.
+
+    Auto-clustering (``tf.config.optimizer.set_jit("autoclustering")``, or TF_XLA_FLAGS'
+    ``--tf_xla_auto_jit``) compiles clusters of the step with XLA for each shape it meets,
+    without ``jit_compile``: tf_dp cannot see it (``compiling_with_xla`` is False), so it
+    neither pads the batches to one shape nor reports ``XLA_BATCH_SHAPES``. XLA's kernels
+    round a row differently for different batch sizes, and through ``train_on_batch`` one
+    example moved the clipped sum by 28.6 C (a custom RNN cell) and 36.3 C (LSTM) past
+    crafted examples (session 23 review). Use ``model.compile(jit_compile=True)`` instead,
+    with which ``fit`` pads every batch to one shape. TensorFlow reads TF_XLA_FLAGS once per
+    process: it counts if set now, at tf_dp's import or at the process's start."""
+    try:
+        jit = tf.config.optimizer.get_jit()
+    except (AttributeError, ValueError):  # pragma: no cover - an older TensorFlow
+        jit = ""
+    if jit and str(jit).lower() not in ("false", "0", "off"):
+        raise ValueError(
+            f"XLA auto-clustering is on (tf.config.optimizer.get_jit() = {jit!r}): it compiles "
+            "parts of the private step for each batch shape, whose kernels round an example's "
+            "gradient differently for different batch sizes, so one example could move the "
+            "clipped sum by more than l2_norm_clip. Turn it off "
+            "(tf.config.optimizer.set_jit(False)) and use model.compile(jit_compile=True), "
+            "with which fit pads every batch to one shape.")
+    start = _process_start_environment()
+    for when, value in (("is set", os.environ.get("TF_XLA_FLAGS")),
+                        ("was set when tf_dp was imported", _AT_IMPORT.get("TF_XLA_FLAGS")),
+                        ("was set when this process started", start.get("TF_XLA_FLAGS"))):
+        flag = _auto_jit_flag(value)
+        if flag:
+            raise ValueError(
+                f"The environment variable TF_XLA_FLAGS {when} with --tf_xla_auto_jit={flag}: "
+                "XLA auto-clustering compiles parts of the private step for each batch "
+                "shape, whose kernels round an example's gradient differently for different "
+                "batch sizes, so one example could move the clipped sum by more than "
+                "l2_norm_clip. TensorFlow reads it once per process: start a new process "
+                "without it, and use model.compile(jit_compile=True), with which fit pads "
+                "every batch to one shape.")
 
 
 def non_finite_policy(model):
@@ -170,8 +222,10 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     """
     strategy = norm_strategies.get(norm_strategy, num_projections)
     check_exact_float_arithmetic()
+    check_no_xla_auto_clustering()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
+    _check_one_kind_of_trace(model, (x, y))
     x, y, sample_weight = dynamic_batch((x, y, sample_weight))
     n = batch_size_of(x)
     min_rows = MIN_ROWS if min_rows is None else int(min_rows)
@@ -183,6 +237,45 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     real = lambda t: None if t is None else t[:n]  # noqa: E731
     return ClippedSum(grads=out.grads, losses=real(out.losses),
                       y_pred=tf.nest.map_structure(real, out.y_pred), norms=real(out.norms))
+
+
+def _trace_kind(structure):
+    """Which non-batch dimensions of the inputs and targets a trace knows: per tensor, its
+    rank and a known/unknown flag per dimension after the first (sample weights, which fit
+    adds for its padding rows, are not compared)."""
+    return tuple(
+        (t.shape.rank, tuple(d is not None for d in t.shape[1:]))
+        if t.shape.rank is not None else (None, ())
+        for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor))
+
+
+def _check_one_kind_of_trace(model, structure):
+    """Refuses a private step traced with other non-batch dimensions known or unknown than
+    the model's first traced private step (raised while tracing, before any step runs).
+
+    ``dynamic_batch`` gives the batch dimension one kind of graph; the others keep their
+    static sizes, which the ghost rules need. Keras relaxes any dimension of
+    ``train_on_batch``'s trace to None once it changes (a second sequence length), and the
+    same batch then rounded differently in a graph with the time dimension known and one
+    without: 2.85 C (LSTM, vectorized) and 3.65 C (a custom RNN cell under "auto") from one
+    example, past crafted or ordinary examples (review of session 23's fix). Which kind of
+    trace a step gets depends on the call shapes only, never on the data's values."""
+    if tf.executing_eagerly() or _internals.compiling_with_xla():
+        return
+    kind = _trace_kind(structure)
+    first = getattr(model, "_dp_trace_kind", None)
+    if first is None:
+        object.__setattr__(model, "_dp_trace_kind", kind)
+        return
+    if kind != first:
+        raise ValueError(
+            "tf_dp: this model's private step was first traced with the inputs' non-batch "
+            f"dimensions known/unknown as {first}, and is now traced with {kind}. The same "
+            "batch rounds differently in the two kinds of graph, which would let one example "
+            "move the clipped sum by more than l2_norm_clip. Give every batch one shape "
+            "after the batch dimension (pad sequences to one length), or declare a "
+            "dimension unknown from the first step on (a tf.data input whose element_spec "
+            "leaves it None), and use a new model for another input shape.")
 
 
 def dynamic_batch(structure):
