@@ -289,8 +289,7 @@ class JL(NormStrategy):
         # XLA, whose random ops need a static shape (how many rows a batch looks up depends
         # on the data: the step failed to run), and only where the step is known to run as
         # one part on one replica (jl.one_part_step). Elsewhere the whole table's
-        # directions are drawn;
-        # on the looked-up rows they have the same law (jl.draw_rows).
+        # directions are drawn; on the looked-up rows they have the same law (jl.draw_rows).
         rows_only = (isinstance(factors, EmbeddingFactors)
                      and not _internals.compiling_with_xla() and jl.rows_only_allowed())
         if rows_only:

@@ -13,6 +13,7 @@ the Keras train step (``tf_dp.keras.DPModel``) composes them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import keras
@@ -52,9 +53,11 @@ _REDUCED_PRECISION_MATH_VARIABLES = ("TF_SET_ONEDNN_FPMATH_MODE", "ONEDNN_DEFAUL
                                      "DNNL_DEFAULT_FPMATH_MODE")
 
 
+@functools.lru_cache(maxsize=1)
 def _process_start_environment() -> dict:
     """The environment the process was started with (Linux: ``/proc/self/environ``, which
-    later ``os.environ`` changes do not touch); empty where it cannot be read."""
+    later ``os.environ`` changes do not touch); empty where it cannot be read. Read once: it
+    never changes (the checks below run at every eager step)."""
     try:
         with open("/proc/self/environ", "rb") as f:
             raw = f.read()
@@ -71,6 +74,15 @@ def _process_start_environment() -> dict:
 #: The variables as they were when tf_dp's private step was first imported.
 _AT_IMPORT = {name: os.environ.get(name)
               for name in _REDUCED_PRECISION_MATH_VARIABLES + ("TF_XLA_FLAGS",)}
+
+
+def _values_in_this_process(name):
+    """``(when, value)`` of the environment variable ``name`` now, when tf_dp was imported
+    and when the process started: TensorFlow and oneDNN read such settings once per
+    process, so any of the three may be the one in force."""
+    return (("is set", os.environ.get(name)),
+            ("was set when tf_dp was imported", _AT_IMPORT.get(name)),
+            ("was set when this process started", _process_start_environment().get(name)))
 
 
 def _reduced_precision(value) -> bool:
@@ -93,11 +105,8 @@ def check_exact_float_arithmetic():
     with "STRICT"). Not caught: a variable set and unset again by the program itself
     between two of those moments, while a kernel read it (docs/privacy.md).
     """
-    start = _process_start_environment()
     for name in _REDUCED_PRECISION_MATH_VARIABLES:
-        for when, value in (("is set", os.environ.get(name)),
-                            ("was set when tf_dp was imported", _AT_IMPORT.get(name)),
-                            ("was set when this process started", start.get(name))):
+        for when, value in _values_in_this_process(name):
             if _reduced_precision(value):
                 raise ValueError(
                     f"The environment variable {name}={value!r} {when}: it lets oneDNN "
@@ -144,10 +153,7 @@ def check_no_xla_auto_clustering():
             "clipped sum by more than l2_norm_clip. Turn it off "
             "(tf.config.optimizer.set_jit(False)) and use model.compile(jit_compile=True), "
             "with which fit pads every batch to one shape.")
-    start = _process_start_environment()
-    for when, value in (("is set", os.environ.get("TF_XLA_FLAGS")),
-                        ("was set when tf_dp was imported", _AT_IMPORT.get("TF_XLA_FLAGS")),
-                        ("was set when this process started", start.get("TF_XLA_FLAGS"))):
+    for when, value in _values_in_this_process("TF_XLA_FLAGS"):
         flag = _auto_jit_flag(value)
         if flag:
             raise ValueError(
@@ -303,15 +309,14 @@ def dynamic_batch(structure):
     with a dynamic batch take the same ops, so both kinds of trace hold one graph."""
     if tf.executing_eagerly() or _internals.compiling_with_xla():
         return structure
-    batched = [t for t in tf.nest.flatten(structure)
-               if isinstance(t, tf.Tensor) and t.shape.rank]
-    if not batched:
+    batched = lambda t: isinstance(t, tf.Tensor) and bool(t.shape.rank)  # noqa: E731
+    if not any(batched(t) for t in tf.nest.flatten(structure)):
         return structure
     with tf.name_scope(DYNAMIC_BATCH_SCOPE):
         zero = tf.cast(tf.timestamp() < 0.0, tf.int32)
 
         def dynamic(t):
-            if not any(t is u for u in batched):
+            if not batched(t):
                 return t
             rank = t.shape.rank
             rows = tf.shape(t, out_type=tf.int32)[0] + zero

@@ -434,6 +434,13 @@ class DPTrainMixin:
                 (x, y, sample_weight), validation_data = _split_validation(
                     x, y, sample_weight, validation_split)
                 validation_split = 0.0
+            if sample_weight is None and kwargs.get("class_weight") is not None:
+                # The class weights become sample weights here, for every Poisson fit on
+                # arrays: padded batches carry sample weights (0 on padding rows), which
+                # Keras refuses next to class_weight, and Keras' own class weighting stops
+                # fit when a batch holds a label absent from the dict (a stop that tells that
+                # example was sampled, session 22 audit); absent classes weigh 1 here.
+                sample_weight = _class_weights(y, kwargs.pop("class_weight"))
             # Keras semantics: `batch_size` is one micro-batch; a logical batch is k of them.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a seeded optimizer already warned
@@ -442,21 +449,10 @@ class DPTrainMixin:
                                      else (batch_size or 32) * k)
                     pad_to = _one_shape_pad_to(self, schedule, x, expected_size,
                                                fixed_batch_shape)
-                    if sample_weight is None and kwargs.get("class_weight") is not None:
-                        # The class weights become sample weights here, for every Poisson
-                        # fit on arrays: padded batches carry sample weights (0 on padding
-                        # rows), which Keras refuses next to class_weight, and Keras' own
-                        # class weighting stops fit when a batch holds a label absent from
-                        # the dict (a stop that tells that example was sampled, session 22
-                        # audit); absent classes weigh 1 here.
-                        sample_weight = _class_weights(y, kwargs.pop("class_weight"))
                     sampler = PoissonSampler(x, y, sample_weight=sample_weight,
                                              expected_batch_size=expected_size,
                                              pad_to=pad_to, seed=opt._next_sampler_seed())
                 else:
-                    if sample_weight is None and kwargs.get("class_weight") is not None:
-                        # As above: each worker's shard samples weights formed up front.
-                        sample_weight = _class_weights(y, kwargs.pop("class_weight"))
                     sampler = _worker_shard_sampler(self.distribute_strategy, workers, x, y,
                                                     sample_weight,
                                                     schedule.scaled(k) if schedule is not None
