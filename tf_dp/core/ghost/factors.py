@@ -130,7 +130,7 @@ class MaterialisedFactors(Factors):
         def fn(w, per):
             return tf.reshape(precision.weighted_per_example_sum(w, per), shape)
 
-        return [flat], fn, 8 * _entries(flat)
+        return [flat], fn, _float64_bytes(flat)
 
 
 #: per-example gradients of at most this many entries may always be materialised for exact
@@ -276,7 +276,7 @@ class OuterFactors(Factors):
                             tf.cast(g, f64))
             return tf.reshape(out, shape)
 
-        return [self.a, self.g], fn, 8 * (_entries(self.a) + _entries(self.g))
+        return [self.a, self.g], fn, _float64_bytes(self.a, self.g)
 
 
 def form_gram_norms(factors):
@@ -370,6 +370,13 @@ class EmbeddingFactors(Factors):
 def _entries(t):
     """Entries per example of ``t`` (B, ...), None when not static."""
     return t.shape[1:].num_elements() if t.shape.rank is not None else None
+
+
+def _float64_bytes(*tensors):
+    """Bytes per example of float64 copies of ``tensors`` (B, ...); None when a size is not
+    static (a sequence length left unknown: the sums then run at once, not in chunks)."""
+    entries = [_entries(t) for t in tensors]
+    return None if None in entries else 8 * sum(entries)
 
 
 #: The float64 temporaries of one chunk of examples of ``joint_weighted_sums`` take at most
