@@ -415,19 +415,13 @@ class DPOptimizerMixin:
             # Data independent, the same on every replica (whose gradients are not summed).
             grads = [g + tf.cast(extra_gradients[id(v)], g.dtype)
                      if id(v) in extra_gradients else g for g, v in zip(grads, variables)]
-        self._inside_private_step = True
-        try:
-            # The update (and the step counter) must wait for the gradients, whose
-            # finiteness check may refuse the step.
-            with tf.control_dependencies(grads):
-                self.apply(grads, variables)
-        finally:
-            self._inside_private_step = False
-        if adaptive is not None:
-            self._update_clip(clip, clip_count, count_stddev, expected_batch_size, seed,
-                              first_replica, ctx)
-        # Recorded once per global step after the update, in every process's ledger: by the
-        # first replica of each worker (of the one process without multi-worker training).
+        # Recorded once per global step, in every process's ledger: by the first replica of
+        # each worker (of the one process without multi-worker training). The record waits
+        # for the step's gradients and the update waits for the record: an update (or the
+        # adaptive clip's noised count) never runs unrecorded, even when an op of the step
+        # fails after it; a step whose data never came records nothing. (The record ran
+        # unordered with the update: a step aborted by the end of a dataset was recorded
+        # without an update, session 24; one aborted after the update could go unrecorded.)
         first_on_worker = _first_replica_on_this_worker(ctx, replica_id)
         if id(self) not in getattr(_STEP_SAMPLING, "optimizers", ()):
             # A q < 1 that tf_dp's own train step did not take from its sampler (a custom
@@ -436,12 +430,24 @@ class DPOptimizerMixin:
             for q in qs:
                 if q < 1.0:
                     self._dp_ledger.note(self.mechanism(q), _DECLARED_Q_CAVEAT.format(q=q))
-        with tf.control_dependencies([self.iterations]):
+        with tf.control_dependencies(grads):
             if phase is None:
-                self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
+                recorded = self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
             else:
-                self._dp_ledger.record_one_of([self.mechanism(q) for q in qs], phase,
-                                              count=first_on_worker)
+                recorded = self._dp_ledger.record_one_of([self.mechanism(q) for q in qs], phase,
+                                                         count=first_on_worker)
+        self._inside_private_step = True
+        try:
+            # The update (and the step counter) must wait for the gradients, whose
+            # finiteness check may refuse the step, and for the record.
+            with tf.control_dependencies([*grads, recorded]):
+                self.apply(grads, variables)
+        finally:
+            self._inside_private_step = False
+        if adaptive is not None:
+            with tf.control_dependencies([recorded]):
+                self._update_clip(clip, clip_count, count_stddev, expected_batch_size, seed,
+                                  first_replica, ctx)
         return snr
 
     def _update_clip(self, clip, clip_count, count_stddev, expected_batch_size, seed,
