@@ -31,8 +31,9 @@ from tf_dp.core import build_per_example_loss, clipped_sum  # noqa: E402
 L = keras.layers
 
 
-def _seq(*layers, d=3, ids=False, pool=L.GlobalAveragePooling1D):
-    inp = keras.Input((None,), dtype="int32") if ids else keras.Input((None, d))
+def _seq(*layers, d=3, ids=False, pool=L.GlobalAveragePooling1D, spatial=1):
+    inp = (keras.Input((None,), dtype="int32") if ids
+           else keras.Input((None,) * spatial + (d,)))
     h = inp
     for layer in layers:
         h = layer(h)
@@ -55,16 +56,28 @@ def _image():
     return keras.Model(inp, L.Dense(2)(L.GlobalAveragePooling2D()(h)))
 
 
+def _image_other():
+    inp = keras.Input((None, None, 2))
+    h = L.DepthwiseConv2D(2, strides=2, padding="same", depth_multiplier=2)(inp)
+    h = L.SeparableConv2D(3, (2, 3))(h)
+    h = L.Conv2DTranspose(2, 3, strides=2, padding="same")(h)
+    h = L.Conv2DTranspose(2, (2, 1), strides=(1, 2))(h)
+    return keras.Model(inp, L.Dense(2)(L.GlobalAveragePooling2D()(h)))
+
+
 # name -> (model builder, x shape of one example with its unknown dimensions' sizes)
 CASES = {
     "dense_layernorm": (lambda: _seq(L.Dense(4), L.LayerNormalization()), (5, 3)),
     "einsum": (lambda: _seq(L.EinsumDense("btd,de->bte", (None, 4), bias_axes="e")), (5, 3)),
     "conv1d": (lambda: _seq(L.Conv1D(3, 2, padding="same"), L.Conv1D(2, 3, strides=2)),
                (7, 3)),
-    # Their rules need static spatial sizes: "auto" runs them vectorized (FALLBACK_CASES).
     "conv1d_depthwise_separable_transpose": (
-        lambda: _seq(L.DepthwiseConv1D(2), L.SeparableConv1D(3, 2), L.Conv1DTranspose(2, 2)),
-        (6, 3)),
+        lambda: _seq(L.DepthwiseConv1D(2, padding="same", strides=2), L.SeparableConv1D(3, 2),
+                     L.Conv1DTranspose(2, 3, strides=2, padding="same"),
+                     L.Conv1DTranspose(2, 2)), (7, 3)),
+    "conv2d_depthwise_separable_transpose": (_image_other, (5, 7, 2)),
+    "conv3d": (lambda: _seq(L.Conv3D(2, 2, padding="same", strides=(1, 2, 1)), d=2,
+                            spatial=3, pool=L.GlobalAveragePooling3D), (3, 5, 4, 2)),
     "lstm": (lambda: _seq(L.LSTM(3), pool=None), (5, 3)),
     "gru_sequences": (lambda: _seq(L.GRU(3, return_sequences=True)), (5, 3)),
     "bidirectional_simple_rnn": (lambda: _seq(L.Bidirectional(L.SimpleRNN(2)), pool=None),
@@ -75,10 +88,6 @@ CASES = {
                                            ids=True, pool=None), (6,)),
     "conv2d_groupnorm_images": (_image, (5, 4, 2)),
 }
-
-
-#: cases with layers whose rules decline unknown spatial sizes ("auto" falls back for them)
-FALLBACK_CASES = {"conv1d_depthwise_separable_transpose"}
 
 
 def _batch(name, shape, rows=5):
@@ -127,8 +136,7 @@ def test_ghost_rules_with_unknown_dimensions_match_brute_force(name):
     clip = float(np.float32(np.median(norms)))  # some examples clipped, others not
     w = ref.clip_weights(norms, clip)
     sums = [np.tensordot(w, g, axes=1) for g in per]
-    strategy = "auto" if name in FALLBACK_CASES else "ghost"
-    got_norms, got_sums = _traced_clipped_sum(model, x, y, clip, norm_strategy=strategy)
+    got_norms, got_sums = _traced_clipped_sum(model, x, y, clip, norm_strategy="ghost")
     np.testing.assert_allclose(got_norms.numpy(), norms, rtol=1e-9)
     scale = max(float(np.max(np.abs(s))) for s in sums)
     for got, want, v in zip(got_sums, sums, model.trainable_variables):

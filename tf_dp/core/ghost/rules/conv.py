@@ -56,14 +56,18 @@ def nd_patches(x, kernel_size, strides, dilation_rate, padding, out_spatial=None
 
     ``padding``: "valid" or "same" (TensorFlow's split: the extra pad goes after).
     ``out_spatial``: the number of output positions per axis (default: what a convolution
-    of ``x`` gives); a transposed convolution passes its input's spatial shape.
-    Returns None when ``x``'s spatial shape is not static.
+    of ``x`` gives); a transposed convolution passes its input's spatial shape. Spatial
+    sizes unknown while tracing (images or sequences of varying size) are read from the
+    tensors: the same slices, with bounds computed in the graph.
     """
     spatial = x.shape[1:-1]
-    if not spatial.is_fully_defined():
-        return None
+    static = spatial.is_fully_defined() and (
+        out_spatial is None or all(isinstance(o, int) for o in out_spatial))
+    dims = tf.shape(x) if not static else None
     pads, outs = [[0, 0]], []
     for i, (n, k, s, d) in enumerate(zip(spatial, kernel_size, strides, dilation_rate)):
+        if n is None:
+            n = dims[i + 1]
         span = (k - 1) * d + 1
         if out_spatial is not None:
             o = out_spatial[i]
@@ -71,12 +75,15 @@ def nd_patches(x, kernel_size, strides, dilation_rate, padding, out_spatial=None
             o = -(-n // s)
         else:
             o = (n - span) // s + 1
-        before = max((o - 1) * s + span - n, 0) // 2 if padding == "same" else 0
-        after = max((o - 1) * s + span - n - before, 0)
+        before = _at_least_0((o - 1) * s + span - n) // 2 if padding == "same" else 0
+        after = _at_least_0((o - 1) * s + span - n - before)
         pads.append([before, after])
         outs.append(o)
     pads.append([0, 0])
-    xp = tf.pad(x, pads) if any(p != [0, 0] for p in pads) else x
+    if not static:
+        xp = tf.pad(x, pads)
+    else:
+        xp = tf.pad(x, pads) if any(p != [0, 0] for p in pads) else x
     slices = []
     for offsets in itertools.product(*[range(k) for k in kernel_size]):
         index = [slice(None)]
@@ -86,10 +93,20 @@ def nd_patches(x, kernel_size, strides, dilation_rate, padding, out_spatial=None
     return tf.stack(slices, axis=-2)
 
 
+def _at_least_0(v):
+    return max(v, 0) if isinstance(v, int) else tf.maximum(v, 0)
+
+
+def _spatial_sizes(t):
+    """The spatial sizes of a channels-last ``t``: ints where static, scalars otherwise."""
+    dims = None if t.shape[1:-1].is_fully_defined() else tf.shape(t)
+    return tuple(n if n is not None else dims[i + 1] for i, n in enumerate(t.shape[1:-1]))
+
+
 def _flat_patches(x, kernel_size, strides, dilation_rate, padding, out_spatial=None):
-    """``nd_patches`` as (B, L, prod(kernel_size) * C), or None."""
+    """``nd_patches`` as (B, L, prod(kernel_size) * C)."""
     p = nd_patches(x, kernel_size, strides, dilation_rate, padding, out_spatial)
-    return None if p is None else rows(p, p.shape[-2] * p.shape[-1])
+    return rows(p, p.shape[-2] * p.shape[-1])
 
 
 def _patches(layer, x, padding):
@@ -138,8 +155,6 @@ def _conv(layer, ctx, inputs):
             layer, ("valid", "same", "causal")):
         return NotImplemented
     x = ctx.batch_input(layer, inputs)
-    if layer.rank == 3 and not x.shape[1:].is_fully_defined():
-        return NotImplemented
     padding = layer.padding
     if padding == "causal":
         x = tf.pad(x, _internals.causal_padding(layer))
@@ -482,10 +497,7 @@ def _write_block(buffer, i, block):
 def _depthwise(ctx, layer, kernel_var, x):
     """The depthwise convolution of a channels-last ``x`` and its kernel's direct term.
 
-    Returns ``u`` (B, *out, C * multiplier), or None when the patches need a static shape
-    the input lacks."""
-    if not x.shape[1:].is_fully_defined():
-        return None
+    Returns ``u`` (B, *out, C * multiplier)."""
     kernel = ctx.read(kernel_var, x.dtype)
     u = keras.ops.depthwise_conv(x, kernel, strides=layer.strides, padding=layer.padding,
                                  data_format="channels_last",
@@ -519,8 +531,6 @@ def _depthwise_conv(layer, ctx, inputs):
         return NotImplemented
     x = _to_last(layer, ctx.batch_input(layer, inputs))
     z = _depthwise(ctx, layer, layer.kernel, x)
-    if z is None:
-        return NotImplemented
     if layer.use_bias:
         z = _add_bias(ctx, layer, z, layer.bias)
     return activation(layer, _to_first(layer, z))
@@ -534,8 +544,6 @@ def _separable_conv(layer, ctx, inputs):
         return NotImplemented
     x = _to_last(layer, ctx.batch_input(layer, inputs))
     u = _depthwise(ctx, layer, layer.depthwise_kernel, x)
-    if u is None:
-        return NotImplemented
     # The pointwise step: a 1x1 convolution of the depthwise output u, i.e. a Dense on its
     # channels (the kernel (1, ..., 1, C*M, F) is row-major the matrix (C*M, F)).
     width = u.shape[-1]
@@ -560,17 +568,13 @@ def _conv_transpose(layer, ctx, inputs):
         # Dilated transposes: no CPU kernel to check a rule against (TensorFlow runs none).
         return NotImplemented
     x = _to_last(layer, ctx.batch_input(layer, inputs))
-    if not x.shape[1:].is_fully_defined():
-        return NotImplemented
     z = keras.ops.conv_transpose(x, ctx.read(layer.kernel, x.dtype),
                                  strides=list(layer.strides), padding=layer.padding,
                                  output_padding=layer.output_padding,
                                  data_format="channels_last",
                                  dilation_rate=layer.dilation_rate)
-    in_spatial = tuple(x.shape[1:-1])
+    in_spatial = _spatial_sizes(x)
     cin, kernel_shape = x.shape[-1], tuple(layer.kernel.shape)
-    if not z.shape[1:].is_fully_defined():
-        return NotImplemented
 
     def grad_fn(dz):
         # dK[k, f, c] = sum_l dz_pad[l*s + k*d, f] x[l, c]: the output gradient's patches,
