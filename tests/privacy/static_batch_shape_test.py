@@ -141,5 +141,94 @@ def test_a_step_traced_with_another_dimension_unknown_is_refused():
     assert model.accountant.steps == 3
 
 
+def _capture_sums(opt):
+    """Patches ``opt.apply_private`` to keep each step's float64 clipped sums; returns a
+    function giving the last step's, flattened."""
+    sums = {}
+    original = type(opt).apply_private
+
+    def capture(self, clipped_sums, variables, expected, **kw):
+        if "vars" not in sums:
+            with tf.init_scope():
+                sums["vars"] = [tf.Variable(tf.zeros(g.shape, tf.float64))
+                                for g in clipped_sums]
+        with tf.control_dependencies([v.assign(g) for v, g in zip(sums["vars"], clipped_sums)]):
+            clipped_sums = [tf.identity(g) for g in clipped_sums]
+        return original(self, clipped_sums, variables, expected, **kw)
+
+    object.__setattr__(opt, "apply_private", capture.__get__(opt))
+    return lambda: np.concatenate([v.numpy().ravel() for v in sums["vars"]])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vectorized", "ghost"])
+def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy):
+    # Session 24 audit: the refusal above depended on the call shapes, which follow the
+    # data where batches are padded to their longest sequence: a batch holding a longer
+    # sequence stopped training (5 of 5 runs with it, 0 of 5 without). A dimension the
+    # model declares None is now hidden in every trace: the relaxed trace runs, and the same
+    # batch gives bit-identical sums in the first (static) trace and the relaxed one.
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((None, _F)), keras.Input((None, _F))
+    lstm = keras.layers.LSTM(4)
+    model = keras.Model([a, b], keras.layers.Subtract()([lstm(a), lstm(b)]))
+    k, rk, bias = lstm.get_weights()
+    lstm.set_weights([k * 1e-9, rk, bias])
+    model = tf_dp.keras.make_private(model)
+    opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=0.0,
+                      norm_strategy=strategy)
+    model.compile(optimizer=opt, loss=_loss)
+    last_sums = _capture_sums(opt)
+    rng = np.random.default_rng(0)
+    xa, xb = _crafted(32, 30, rng)
+    xb[31] = xa[31] + 1.0
+    y = np.zeros((32, 1), np.float32)
+    model.train_on_batch([xa, xb], y)  # Keras' first trace: every dimension static
+    first = last_sums()
+    longer = rng.normal(size=(32, 6, _F)).astype(np.float32)
+    model.train_on_batch([longer, longer + 1.0], y)  # relaxed to (None, None, 3): runs
+    model.train_on_batch([xa, xb], y)  # the relaxed trace
+    np.testing.assert_array_equal(last_sums(), first)
+    assert model.accountant.steps == 3
+
+
+def test_a_refusal_names_the_tensor_and_a_change_of_rank():
+    # Session 24 audit: labels of rank 2 in one call and rank 1 in the next were refused
+    # with a message about known and unknown dimensions.
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((3,)),
+                                                       keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="sparse_categorical_crossentropy")
+    x = np.ones((16, 3), np.float32)
+    model.train_on_batch(x, np.zeros((16, 1), np.int32))
+    # (Keras relaxes the trace to an unknown rank)
+    with pytest.raises(ValueError, match=r"tensor 1 of \(inputs, targets\) of rank 2, and is "
+                                         "now traced with rank (1|None)"):
+        model.train_on_batch(x, np.zeros((16,), np.int32))
+
+
+@pytest.mark.parametrize("name", ["Vectorized", "Auto"])
+def test_a_strategys_own_clipped_sum_runs_the_checks(name):
+    # Session 24 audit: NormStrategy.clipped_sum, public, skipped every check of
+    # tf_dp.core.clipped_sum (the same rows summed to 2.74 C traced with (None, 4, 3) and
+    # to 0 with (None, None, 3)) and stopped on a NaN example (an observable stop).
+    model = _shared_lstm()
+    strategy = getattr(tf_dp.core, name)()
+
+    def run(xa, xb, w):
+        return strategy.clipped_sum(model, [xa, xb], tf.zeros([tf.shape(w)[0], 1]), w,
+                                    lambda yt, yp, sw: _loss(yt, yp) * sw, 1.0).grads
+
+    step = tf.function(run)
+    xa, xb = _crafted(32, 0, np.random.default_rng(0))
+    xa[3] = np.nan  # adds nothing, stops nothing
+    w = np.ones(32, np.float32)
+    grads = step(xa, xb, w)
+    assert all(np.all(np.isfinite(g.numpy())) for g in grads)
+    relaxed = tf.TensorSpec([None, None, _F], tf.float32)
+    with pytest.raises(ValueError, match="non-batch"):
+        step.get_concrete_function(relaxed, relaxed, tf.TensorSpec([None], tf.float32))
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

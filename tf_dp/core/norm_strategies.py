@@ -60,8 +60,24 @@ class NormStrategy:
     num_projections = None
 
     def clipped_sum(self, model, x, y, sample_weight, per_example_loss, l2_norm_clip,
-                    variables, seed=None, non_finite="error") -> ClippedSum:
-        """Clips every example's gradient of ``variables`` to ``l2_norm_clip`` and sums.
+                    variables=None, seed=None) -> ClippedSum:
+        """``tf_dp.core.clipped_sum`` with this strategy: every example's gradient of
+        ``variables`` clipped to ``l2_norm_clip`` and summed, behind its checks (the batch
+        and declared dimensions hidden, one kind of trace, the precision and auto-clustering
+        checks, layers that mix examples, padding to 16 rows; non-finite examples add
+        nothing). This method skipped all of them, and stopped on a non-finite example,
+        whose stop tells it was sampled (session 24 audit: the same rows summed to 2.74 C
+        and to 0 in two traces)."""
+        from tf_dp.core import private_step  # noqa: PLC0415 (private_step imports this)
+
+        return private_step.clipped_sum(model, x, y, sample_weight, per_example_loss,
+                                        l2_norm_clip, variables=variables, norm_strategy=self,
+                                        seed=seed)
+
+    def _clipped_sum(self, model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                     variables, seed=None, non_finite="zero") -> ClippedSum:
+        """Clips every example's gradient of ``variables`` to ``l2_norm_clip`` and sums (no
+        checks: ``private_step.clipped_sum`` runs them, then this).
 
         ``l2_norm_clip``: C (a number or a scalar tensor), or a ``tf_dp.core.clipping.ClipSpec``
         (per-layer clipping: each group's part clipped to its own C_k).

@@ -89,6 +89,18 @@ def _reduced_precision(value) -> bool:
     return bool(value and value.strip() and value.strip().upper() != "STRICT")
 
 
+def mixed_precision_rewrite_setting() -> str:
+    """Which of Grappler's automatic mixed precision rewrites is on ("" if none):
+    ``auto_mixed_precision`` (float16 on a GPU), ``auto_mixed_precision_onednn_bfloat16``
+    or ``auto_mixed_precision_mkl`` (bfloat16 on this CPU), any option of that name."""
+    try:
+        options = tf.config.optimizer.get_experimental_options()
+    except (AttributeError, ValueError):  # pragma: no cover - an older TensorFlow
+        return ""
+    on = sorted(k for k, v in options.items() if k.startswith("auto_mixed_precision") and v)
+    return ", ".join(f"{k}=True" for k in on)
+
+
 def check_exact_float_arithmetic():
     """Refuses a private step when oneDNN may compute float32 in lower precision.
 
@@ -105,6 +117,16 @@ def check_exact_float_arithmetic():
     with "STRICT"). Not caught: a variable set and unset again by the program itself
     between two of those moments, while a kernel read it (docs/privacy.md).
     """
+    rewrite = mixed_precision_rewrite_setting()
+    if rewrite:
+        raise ValueError(
+            f"Grappler's automatic mixed precision is on ({rewrite}): it rewrites float32 "
+            "products and convolutions of the private step to a 16-bit type, which breaks "
+            "the rounding bounds that keep every example's clipped contribution within the "
+            "clipping norm (so the reported epsilon would not hold; per-example norms moved "
+            "by up to 12.6 % under it, session 24 audit). Turn it off "
+            "(tf.config.optimizer.set_experimental_options({'<option>': False})); for mixed "
+            "precision, use a Keras dtype policy, which tf_dp's bounds cover.")
     for name in _REDUCED_PRECISION_MATH_VARIABLES:
         for when, value in _values_in_this_process(name):
             if _reduced_precision(value):
@@ -118,14 +140,49 @@ def check_exact_float_arithmetic():
                     "with it set to 'STRICT').")
 
 
-def _auto_jit_flag(flags) -> str:
-    """The ``--tf_xla_auto_jit`` value in a TF_XLA_FLAGS string if it turns auto-clustering
-    on ("" if not: unset, 0 or -1)."""
-    for part in (flags or "").replace("\n", " ").split():
-        if part.startswith("--tf_xla_auto_jit="):
-            value = part.split("=", 1)[1].strip()
-            if value not in ("", "0", "-1"):
-                return value
+def _auto_clustering_flags(flags, _depth=0) -> str:
+    """What in a TF_XLA_FLAGS value turns XLA auto-clustering on, or may ("" if nothing):
+    ``--tf_xla_auto_jit`` other than 0 or -1; ``--tf_xla_cpu_global_jit`` (on the CPU,
+    with it ``set_jit`` takes effect however late it is called: session 24 audit, 12.3 C
+    in a loop traced before); a value that is not flags, which XLA reads as the name of a
+    flags file (its flags count; a file that cannot be read, too: session 24 audit, 2.89 C
+    from a file's --tf_xla_auto_jit=2)."""
+    flags = (flags or "").strip()
+    if not flags:
+        return ""
+    if not flags.startswith("-"):
+        if _depth:
+            return f"a flags file naming another ({flags!r})"
+        try:
+            with open(flags, encoding="utf-8", errors="replace") as f:
+                inner = f.read()
+        except OSError:
+            return f"the flags file {flags!r}, which tf_dp cannot read"
+        found = _auto_clustering_flags(inner, _depth + 1)
+        return f"{found} in the flags file {flags!r}" if found else ""
+    for part in flags.replace("\n", " ").split():
+        name, _, value = part.partition("=")
+        value = value.strip()
+        if name == "--tf_xla_auto_jit" and value not in ("", "0", "-1"):
+            return part
+        if name == "--tf_xla_cpu_global_jit" and value.lower() not in ("false", "0"):
+            return part
+    return ""
+
+
+def xla_auto_clustering_setting() -> str:
+    """How XLA auto-clustering is on in this process ("" if it is not): ``set_jit``, or
+    TF_XLA_FLAGS now, at tf_dp's import or at the process's start (``_auto_clustering_flags``)."""
+    try:
+        jit = tf.config.optimizer.get_jit()
+    except (AttributeError, ValueError):  # pragma: no cover - an older TensorFlow
+        jit = ""
+    if jit and str(jit).lower() not in ("false", "0", "off"):
+        return f"tf.config.optimizer.get_jit() = {jit!r}"
+    for when, value in _values_in_this_process("TF_XLA_FLAGS"):
+        flag = _auto_clustering_flags(value)
+        if flag:
+            return f"TF_XLA_FLAGS {when} with {flag}"
     return ""
 
 
@@ -140,30 +197,22 @@ def check_no_xla_auto_clustering():
     example moved the clipped sum by 28.6 C (a custom RNN cell) and 36.3 C (LSTM) past
     crafted examples (session 23 review). Use ``model.compile(jit_compile=True)`` instead,
     with which ``fit`` pads every batch to one shape. TensorFlow reads TF_XLA_FLAGS once per
-    process: it counts if set now, at tf_dp's import or at the process's start."""
-    try:
-        jit = tf.config.optimizer.get_jit()
-    except (AttributeError, ValueError):  # pragma: no cover - an older TensorFlow
-        jit = ""
-    if jit and str(jit).lower() not in ("false", "0", "off"):
+    process: it counts if set now, at tf_dp's import or at the process's start.
+
+    Checked while a step is traced, at every call of a Keras train function of a private
+    model, and whenever a budget reads steps (``XLA_AUTO_CLUSTERING`` voids the report
+    then): ``set_jit`` called after the step was traced still reaches it (session 24
+    audit)."""
+    setting = xla_auto_clustering_setting()
+    if setting:
         raise ValueError(
-            f"XLA auto-clustering is on (tf.config.optimizer.get_jit() = {jit!r}): it compiles "
-            "parts of the private step for each batch shape, whose kernels round an example's "
-            "gradient differently for different batch sizes, so one example could move the "
-            "clipped sum by more than l2_norm_clip. Turn it off "
-            "(tf.config.optimizer.set_jit(False)) and use model.compile(jit_compile=True), "
-            "with which fit pads every batch to one shape.")
-    for when, value in _values_in_this_process("TF_XLA_FLAGS"):
-        flag = _auto_jit_flag(value)
-        if flag:
-            raise ValueError(
-                f"The environment variable TF_XLA_FLAGS {when} with --tf_xla_auto_jit={flag}: "
-                "XLA auto-clustering compiles parts of the private step for each batch "
-                "shape, whose kernels round an example's gradient differently for different "
-                "batch sizes, so one example could move the clipped sum by more than "
-                "l2_norm_clip. TensorFlow reads it once per process: start a new process "
-                "without it, and use model.compile(jit_compile=True), with which fit pads "
-                "every batch to one shape.")
+            f"XLA auto-clustering is on ({setting}): it compiles parts of the private step "
+            "for each batch shape, whose kernels round an example's gradient differently "
+            "for different batch sizes, so one example could move the clipped sum by more "
+            "than l2_norm_clip. Turn it off (tf.config.optimizer.set_jit(False); "
+            "TensorFlow reads TF_XLA_FLAGS once per process: start a new process without "
+            "it) and use model.compile(jit_compile=True), with which fit pads every batch "
+            "to one shape.")
 
 
 def non_finite_policy(model):
@@ -231,13 +280,14 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     check_no_xla_auto_clustering()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
+    hide = declared_unknown_dims(model, x, y, sample_weight)
+    x, y, sample_weight = dynamic_batch((x, y, sample_weight), hide)
     _check_one_kind_of_trace(model, (x, y))
-    x, y, sample_weight = dynamic_batch((x, y, sample_weight))
     n = batch_size_of(x)
     min_rows = MIN_ROWS if min_rows is None else int(min_rows)
     x, y, sample_weight = _at_least_min_rows(x, y, sample_weight, n, min_rows)
-    out = strategy.clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
-                               variables, seed=seed, non_finite=non_finite_policy(model))
+    out = strategy._clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
+                                variables, seed=seed, non_finite=non_finite_policy(model))
     if isinstance(n, int) and n == padded_row_count(n, min_rows):
         return out
     real = lambda t: None if t is None else t[:n]  # noqa: E731
@@ -259,13 +309,19 @@ def _check_one_kind_of_trace(model, structure):
     """Refuses a private step traced with other non-batch dimensions known or unknown than
     the model's first traced private step (raised while tracing, before any step runs).
 
-    ``dynamic_batch`` gives the batch dimension one kind of graph; the others keep their
-    static sizes, which the ghost rules need. Keras relaxes any dimension of
-    ``train_on_batch``'s trace to None once it changes (a second sequence length), and the
-    same batch then rounded differently in a graph with the time dimension known and one
-    without: 2.85 C (LSTM, vectorized) and 3.65 C (a custom RNN cell under "auto") from one
-    example, past crafted or ordinary examples (review of session 23's fix). Which kind of
-    trace a step gets depends on the call shapes only, never on the data's values."""
+    ``dynamic_batch`` gives the batch dimension one kind of graph, and every dimension the
+    model declares None (``declared_unknown_dims``) too; the others keep their static sizes,
+    which the ghost rules use. Keras relaxes any dimension of ``train_on_batch``'s trace to
+    None once it changes (a second sequence length), and the same batch then rounded
+    differently in a graph with the time dimension known and one without: 2.85 C (LSTM,
+    vectorized) and 3.65 C (a custom RNN cell under "auto") from one example, past crafted
+    or ordinary examples (review of session 23's fix). Which kind of trace a step gets
+    depends on the call shapes only, never on the data's values; but the call shapes follow
+    the data where batches are padded to their longest sequence, and this refusal then
+    told whether a longer sequence was in a batch (session 24 audit: 5 of 5 runs with it
+    stopped, 0 of 5 without). A dimension the model declares None is therefore always
+    hidden, and the refusal is left for dimensions a model declares static (or a
+    subclassed model, which declares none) that a call leaves unknown."""
     if tf.executing_eagerly() or _internals.compiling_with_xla():
         return
     kind = _trace_kind(structure)
@@ -275,18 +331,95 @@ def _check_one_kind_of_trace(model, structure):
         return
     if kind != first:
         raise ValueError(
-            "tf_dp: this model's private step was first traced with the inputs' non-batch "
-            f"dimensions known/unknown as {first}, and is now traced with {kind}. The same "
-            "batch rounds differently in the two kinds of graph, which would let one example "
-            "move the clipped sum by more than l2_norm_clip. Give every batch one shape "
-            "after the batch dimension (pad sequences to one length), or declare a "
-            "dimension unknown from the first step on (a tf.data input whose element_spec "
-            "leaves it None), and use a new model for another input shape.")
+            "tf_dp: this model's private step was first traced with "
+            f"{_kind_difference(first, kind)}. The same batch rounds differently in the two "
+            "kinds of graph, which would let one example move the clipped sum by more than "
+            "l2_norm_clip. Declare the dimensions that vary None in the model's keras.Input "
+            "(tf_dp then leaves them unknown in every step), or give every batch one shape "
+            "after the batch dimension and one rank (pad sequences to one length), and use "
+            "a new model for another input shape.")
 
 
-def dynamic_batch(structure):
+def _kind_difference(first, now):
+    """Where two trace kinds differ, in words (the first differing tensor)."""
+    if len(first) != len(now):
+        return (f"{len(first)} input and target tensors, and is now traced with {len(now)}")
+    for i, ((rank0, dims0), (rank1, dims1)) in enumerate(zip(first, now)):
+        if rank0 != rank1:
+            return (f"tensor {i} of (inputs, targets) of rank {rank0}, and is now traced with "
+                    f"rank {rank1}")
+        if dims0 != dims1:
+            show = lambda dims: "(batch, " + ", ".join(  # noqa: E731
+                "known" if d else "unknown" for d in dims) + ")"
+            return (f"the non-batch dimensions of tensor {i} of (inputs, targets) "
+                    f"{show(dims0)}, and is now traced with {show(dims1)}")
+    return f"{first}, and is now traced with {now}"
+
+
+def declared_unknown_dims(model, x, y, sample_weight=None):
+    """Which dimensions ``dynamic_batch`` hides besides the batch: per dense tensor of
+    ``(x, y, sample_weight)`` (flattened), a tuple of flags over its non-batch dimensions.
+
+    A dimension of ``x`` the model's ``keras.Input`` declares None, a dimension of ``y``
+    its output declares None (sparse labels: the output's without its last), and every
+    non-batch dimension of sample weights (only the loss reads them): so every trace leaves
+    them unknown, whatever sizes the calls have and whatever Keras relaxes. None where the
+    model declares nothing (a subclassed model) or the structures do not match."""
+    flat_x, flat_y = tf.nest.flatten(x), tf.nest.flatten(y)
+    flat_w = tf.nest.flatten(sample_weight)
+    inputs = _declared(model, "_inputs_struct", "inputs", x)
+    outputs = _declared(model, "_outputs_struct", "outputs", y)
+    out = []
+    for k, t in enumerate(flat_x):
+        out.append(_unknown_flags(t, None if inputs is None else inputs[k], 0))
+    for k, t in enumerate(flat_y):
+        out.append(_unknown_flags(t, None if outputs is None else outputs[k], 1))
+    for t in flat_w:
+        rank = t.shape.rank if isinstance(t, tf.Tensor) else None
+        out.append(None if not rank else (True,) * (rank - 1))
+    return out
+
+
+def _declared(model, struct_name, list_name, given):
+    """The model's declared KerasTensors aligned with ``tf.nest.flatten(given)``, or None."""
+    try:
+        declared = model.__dict__.get(struct_name)
+        if declared is None:
+            declared = getattr(model, list_name, None)
+            if isinstance(declared, (list, tuple)) and len(declared) == 1:
+                declared = declared[0]
+        if declared is None:
+            return None
+        tf.nest.assert_same_structure(declared, given, check_types=False)
+    except (AttributeError, ValueError, TypeError):
+        return None
+    flat = tf.nest.flatten(declared)
+    if not all(hasattr(d, "shape") for d in flat):
+        return None
+    return flat
+
+
+def _unknown_flags(t, declared, drop_last):
+    """Flags over ``t``'s non-batch dimensions: declared None in ``declared`` (a KerasTensor
+    of ``t``'s rank, or of one more when ``drop_last``, sparse labels)."""
+    if declared is None or not isinstance(t, tf.Tensor) or not t.shape.rank:
+        return None
+    shape = tuple(declared.shape)
+    rank = t.shape.rank
+    if len(shape) == rank:
+        pass
+    elif drop_last and len(shape) == rank + 1:
+        shape = shape[:-1]
+    else:
+        return None
+    return tuple(d is None for d in shape[1:])
+
+
+def dynamic_batch(structure, hide=None):
     """``structure`` with the batch dimension of its dense tensors made unknown to the
-    graph, in a traced step outside XLA (eagerly, or under XLA, unchanged).
+    graph, in a traced step outside XLA (eagerly, or under XLA, unchanged); also, where
+    ``hide`` (``declared_unknown_dims``: per flattened tensor, flags over its non-batch
+    dimensions, or None) flags them, other dimensions.
 
     The same batch rounded differently in a graph traced with a static batch dimension than
     in one traced with a dynamic one (the LSTM ghost rule, Embedding -> LayerNormalization:
@@ -310,22 +443,31 @@ def dynamic_batch(structure):
     if tf.executing_eagerly() or _internals.compiling_with_xla():
         return structure
     batched = lambda t: isinstance(t, tf.Tensor) and bool(t.shape.rank)  # noqa: E731
-    if not any(batched(t) for t in tf.nest.flatten(structure)):
+    flat = tf.nest.flatten(structure)
+    if not any(batched(t) for t in flat):
         return structure
+    hide = list(hide) if hide is not None else [None] * len(flat)
+    if len(hide) != len(flat):
+        raise ValueError(f"dynamic_batch: {len(hide)} flags for {len(flat)} tensors.")
     with tf.name_scope(DYNAMIC_BATCH_SCOPE):
         zero = tf.cast(tf.timestamp() < 0.0, tf.int32)
 
-        def dynamic(t):
+        def dynamic(t, flags):
             if not batched(t):
                 return t
             rank = t.shape.rank
-            rows = tf.shape(t, out_type=tf.int32)[0] + zero
-            out = tf.slice(t, tf.constant([0] * rank, tf.int32),
-                           tf.stack([rows] + [-1] * (rank - 1)))
-            out.set_shape([None] + t.shape[1:].as_list())  # the other dimensions as they were
+            flags = tuple(flags) if flags is not None else (False,) * (rank - 1)
+            dims = tf.shape(t, out_type=tf.int32)
+            size = [dims[0] + zero] + [dims[i + 1] + zero if flag else -1
+                                       for i, flag in enumerate(flags)]
+            out = tf.slice(t, tf.constant([0] * rank, tf.int32), tf.stack(size))
+            # the other dimensions as they were
+            out.set_shape([None] + [None if flag else d
+                                    for flag, d in zip(flags, t.shape[1:].as_list())])
             return out
 
-        return tf.nest.map_structure(dynamic, structure)
+        return tf.nest.pack_sequence_as(
+            structure, [dynamic(t, f) for t, f in zip(flat, hide)])
 
 
 #: the name scope of the ops that hide a static batch dimension (before the model: no norm)
