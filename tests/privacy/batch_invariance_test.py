@@ -413,5 +413,31 @@ def test_fit_with_fixed_batch_shape_runs_every_step_at_one_shape_without_xla():
                       **{"batch_size": batch, **kwargs})
 
 
+def test_a_custom_loop_under_xla_is_reported():
+    # Session 24 audit: a custom loop over clipped_sum and apply_private under the user's
+    # tf.function(jit_compile=True) had no caveat (one example moved the update by 1.33 C).
+    import tf_dp  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)),
+                                                       keras.layers.Dense(2)]))
+    opt = tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
+    model.compile(optimizer=opt, loss="mse")
+    loss_fn = tf_dp.core.build_per_example_loss("mse")
+
+    def step(x, y):
+        out = tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    tf.function(step)(x, y)
+    assert model.privacy_report()["guarantee_holds"]
+    tf.function(step, jit_compile=True)(x, y)
+    report = model.privacy_report()
+    assert report["steps"] == 2 and not report["guarantee_holds"]
+    assert any(c.startswith("XLA_BATCH_SHAPES: apply_private ran under XLA")
+               for c in report["caveats"])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

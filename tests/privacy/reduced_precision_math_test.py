@@ -64,6 +64,42 @@ def test_keras_fit_refuses_it_too(monkeypatch):
         model.fit(x.numpy(), y.numpy(), batch_size=3, epochs=1, verbose=0)
 
 
+@pytest.mark.parametrize("option", ["auto_mixed_precision_onednn_bfloat16",
+                                    "auto_mixed_precision_mkl", "auto_mixed_precision"])
+def test_grapplers_mixed_precision_rewrite_is_refused(option):
+    # Session 24 audit: it rewrote float32 products and convolutions to bfloat16 on this CPU
+    # (per-example norms moved by up to 12.6 %), unrefused. Refused while a step is traced
+    # and at every call of Keras' train function; turned on after a custom loop was traced,
+    # the steps read while it is on void the report.
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    x, y = _batch()
+    model.train_on_batch(x, y)
+    opt = model.optimizer
+
+    @tf.function
+    def loop_step(a, b):
+        out = clipped_sum(model, a, b, None, LOSS, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    loop_step(x, y)
+    assert model.privacy_report()["guarantee_holds"]
+    tf.config.optimizer.set_experimental_options({option: True})
+    try:
+        with pytest.raises(ValueError, match=option):
+            clipped_sum(_model(), x, y, None, LOSS, 1.0)
+        with pytest.raises(ValueError, match=option):
+            model.train_on_batch(x, y)
+        loop_step(x, y)
+        report = model.privacy_report()
+    finally:
+        tf.config.optimizer.set_experimental_options({option: False})
+    assert report["steps"] == 3 and not report["guarantee_holds"]
+    assert any(c.startswith("MIXED_PRECISION_REWRITE") for c in report["caveats"])
+    model.train_on_batch(x, y)  # off again: runs
+    assert model.privacy_report()["steps"] == 4
+
+
 @pytest.mark.parametrize("setting", [None, "", "STRICT", "strict"])
 def test_exact_float32_math_is_accepted(monkeypatch, setting):
     if setting is not None:

@@ -30,7 +30,7 @@ class StepLedger:
 
     def __init__(self):
         self._slots: List[Mechanism] = []
-        #: slot -> caveat its steps carry (``note``), given to the budget that drains them
+        #: slot -> caveats its steps carry (``note``), given to the budget that drains them
         self._notes = {}
         self._lock = threading.Lock()
         with tf.init_scope():
@@ -49,18 +49,21 @@ class StepLedger:
             return self._slots.index(mechanism)
 
     def note(self, mechanism: Mechanism, caveat: str) -> None:
-        """The steps of ``mechanism`` carry ``caveat`` (trace time): ``drain_caveats``
-        hands it to the budget that drains steps of that mechanism."""
+        """The steps of ``mechanism`` carry ``caveat`` (trace time), besides any noted
+        before: ``caveats_of`` hands them to the budget that drains steps of that
+        mechanism."""
         slot = self.slot(mechanism)
         with self._lock:
-            self._notes[slot] = caveat
+            notes = self._notes.setdefault(slot, [])
+            if caveat not in notes:
+                notes.append(caveat)
 
-    def caveat_of(self, mechanism: Mechanism) -> Optional[str]:
-        """The caveat ``note`` gave ``mechanism``'s steps, or None."""
+    def caveats_of(self, mechanism: Mechanism) -> Tuple[str, ...]:
+        """The caveats ``note`` gave ``mechanism``'s steps (none: an empty tuple)."""
         with self._lock:
             if mechanism not in self._slots:
-                return None
-            return self._notes.get(self._slots.index(mechanism))
+                return ()
+            return tuple(self._notes.get(self._slots.index(mechanism), ()))
 
     def record(self, mechanism: Mechanism, count=1):
         """Graph op: adds ``count`` (a 0/1 tensor on non-first replicas) steps of ``mechanism``."""

@@ -16,11 +16,29 @@ import warnings
 import weakref
 
 from tf_dp.accounting.functions import epsilon_text
+from tf_dp.core import private_step
 from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
-           "XLA_BATCH_SHAPES", "UNCHECKED")
+           "XLA_BATCH_SHAPES", "XLA_AUTO_CLUSTERING", "MIXED_PRECISION_REWRITE", "UNCHECKED")
+
+#: the caveat of steps read while XLA auto-clustering is on (``_drain_ledger``)
+XLA_AUTO_CLUSTERING_CAVEAT = (
+    "XLA_AUTO_CLUSTERING: private steps were read while XLA auto-clustering was on "
+    "({setting}). It compiles parts of a traced step for each batch shape, whose kernels "
+    "round an example's gradient differently for different batch sizes, so one example "
+    "could move an update by more than the clipping norm. tf_dp refuses to trace a step "
+    "under it; this one was turned on after. Turn it off and use "
+    "model.compile(jit_compile=True).")
+
+#: the caveat of steps read while Grappler's automatic mixed precision is on
+MIXED_PRECISION_REWRITE_CAVEAT = (
+    "MIXED_PRECISION_REWRITE: private steps were read while Grappler's automatic mixed "
+    "precision was on ({setting}). It rewrites float32 products and convolutions to a 16-bit "
+    "type, outside the rounding bounds that keep every example's contribution within the "
+    "clipping norm. tf_dp refuses to trace a step under it; this one was turned on after. "
+    "Turn it off, and use a Keras dtype policy for mixed precision.")
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained
@@ -114,9 +132,16 @@ class PrivacyBudget:
         for sigma, q, r, count in ledger.drain():
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
-            caveat = ledger.caveat_of((sigma, q, r))
-            if caveat is not None:
-                self.caveats.add(caveat)
+            self.caveats.update(ledger.caveats_of((sigma, q, r)))
+            # Settings the step's own checks refuse while it is traced, on when its steps
+            # are read: turned on after the trace, which still reaches it (session 24
+            # audit: auto-clustering, 12.3 C and 20.6 C).
+            auto_clustering = private_step.xla_auto_clustering_setting()
+            if auto_clustering:
+                self.caveats.add(XLA_AUTO_CLUSTERING_CAVEAT.format(setting=auto_clustering))
+            rewrite = private_step.mixed_precision_rewrite_setting()
+            if rewrite:
+                self.caveats.add(MIXED_PRECISION_REWRITE_CAVEAT.format(setting=rewrite))
             if r is not None:
                 # What exact clipping would have cost at the same sigma, q and steps.
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,

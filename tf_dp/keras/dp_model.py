@@ -733,6 +733,11 @@ class DPTrainMixin:
         def train_function(iterator):
             armed = self.__dict__.get("_dp_armed", False)
             object.__setattr__(self, "_dp_armed", False)  # one call per arming, even if it raises
+            # At every call: auto-clustering (or a mixed precision rewrite) turned on after
+            # the step was traced reaches the traced step, which refused it only while
+            # tracing (session 24 audit).
+            private_step.check_no_xla_auto_clustering()
+            private_step.check_exact_float_arithmetic()
             in_loop = self.__dict__.get("_dp_in_keras_loop", False)
             if armed and in_loop:
                 _stop_if_the_target_is_reached(self)

@@ -85,6 +85,17 @@ _DECLARED_Q_CAVEAT = (
     "which tf_dp did not draw and cannot check.")
 
 
+#: the caveat of steps applied under XLA by code other than tf_dp's train step
+_XLA_CUSTOM_LOOP_CAVEAT = (
+    "XLA_BATCH_SHAPES: apply_private ran under XLA (jit_compile=True) in code other than "
+    "tf_dp's train step (a custom loop), whose batch shapes tf_dp cannot know. XLA's CPU "
+    "kernels round a row differently for different batch sizes, so an example crafted to "
+    "make its gradient mostly rounding moves with the number of other examples in its "
+    "batch, and one example can then move the update by more than the clipping norm. Run "
+    "every step at one batch shape (a tf_dp.data.PoissonSampler with pad_to=...) and "
+    "outside XLA, or use fit().")
+
+
 class DPOptimizerMixin:
     """Mixed into a Keras optimizer class (before it in the bases) to make it private.
 
@@ -430,6 +441,11 @@ class DPOptimizerMixin:
             for q in qs:
                 if q < 1.0:
                     self._dp_ledger.note(self.mechanism(q), _DECLARED_Q_CAVEAT.format(q=q))
+                if _internals.compiling_with_xla():
+                    # tf_dp's own step notes this where its batches' shapes follow the data
+                    # (session 24 audit: a custom loop under jit_compile=True had no caveat
+                    # while one example moved the update by 1.33 C).
+                    self._dp_ledger.note(self.mechanism(q), _XLA_CUSTOM_LOOP_CAVEAT)
         with tf.control_dependencies(grads):
             if phase is None:
                 recorded = self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
