@@ -230,5 +230,35 @@ def test_a_strategys_own_clipped_sum_runs_the_checks(name):
         step.get_concrete_function(relaxed, relaxed, tf.TensorSpec([None], tf.float32))
 
 
+def test_which_dimensions_are_declared_unknown():
+    from tf_dp.core import private_step  # noqa: PLC0415
+
+    declared = private_step.declared_unknown_dims
+    seq = keras.Sequential([keras.Input((None, 3)), keras.layers.LSTM(2, return_sequences=True),
+                            keras.layers.Dense(5)])
+    # x: time unknown, features known; sparse labels (B, T) against the output (B, T, 5);
+    # per-time-step sample weights: every non-batch dimension.
+    assert declared(seq, tf.zeros([4, 6, 3]), tf.zeros([4, 6]), tf.zeros([4, 6])) == [
+        (True, False), (True,), (True,)]
+    inputs = {"a": keras.Input((None, 3), name="a"), "b": keras.Input((7,), name="b")}
+    joined = keras.layers.Concatenate()([keras.layers.LSTM(2)(inputs["a"]), inputs["b"]])
+    model = keras.Model(inputs, keras.layers.Dense(2)(joined))
+    given = {"a": tf.zeros([4, 6, 3]), "b": tf.zeros([4, 7])}
+    assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (False,),
+                                                        None]
+    # a list for dict inputs: its order is Keras' to decide, nothing is hidden
+    assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [None, None]
+
+    class Subclassed(keras.Model):  # declares nothing
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    assert declared(Subclassed(), tf.zeros([4, 3]), tf.zeros([4, 2])) == [None, None, None]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -388,15 +388,29 @@ def _declared(model, struct_name, list_name, given):
             declared = getattr(model, list_name, None)
             if isinstance(declared, (list, tuple)) and len(declared) == 1:
                 declared = declared[0]
-        if declared is None:
+        if declared is None or not _same_nest(declared, given):
             return None
-        tf.nest.assert_same_structure(declared, given, check_types=False)
     except (AttributeError, ValueError, TypeError):
         return None
     flat = tf.nest.flatten(declared)
     if not all(hasattr(d, "shape") for d in flat):
         return None
     return flat
+
+
+def _same_nest(declared, given) -> bool:
+    """Whether ``given`` nests like ``declared``: dicts with the same keys, lists or tuples
+    of the same length (either kind: Keras' data adapters turn lists into tuples), leaves.
+    A list given for declared dict inputs is not matched (its order is Keras' to decide)."""
+    if isinstance(declared, dict) or isinstance(given, dict):
+        return (isinstance(declared, dict) and isinstance(given, dict)
+                and set(declared) == set(given)
+                and all(_same_nest(declared[k], given[k]) for k in declared))
+    if isinstance(declared, (list, tuple)) or isinstance(given, (list, tuple)):
+        return (isinstance(declared, (list, tuple)) and isinstance(given, (list, tuple))
+                and len(declared) == len(given)
+                and all(_same_nest(d, g) for d, g in zip(declared, given)))
+    return True
 
 
 def _unknown_flags(t, declared, drop_last):
