@@ -68,6 +68,8 @@ def _image_other():
 # name -> (model builder, x shape of one example with its unknown dimensions' sizes)
 CASES = {
     "dense_layernorm": (lambda: _seq(L.Dense(4), L.LayerNormalization()), (5, 3)),
+    # d * p above factors._MATERIALISE_NORMS_MAX_ENTRIES: Gram norms with T unknown
+    "dense_wide_gram": (lambda: _seq(L.Dense(200), d=200), (5, 200)),
     "einsum": (lambda: _seq(L.EinsumDense("btd,de->bte", (None, 4), bias_axes="e")), (5, 3)),
     "conv1d": (lambda: _seq(L.Conv1D(3, 2, padding="same"), L.Conv1D(2, 3, strides=2)),
                (7, 3)),
