@@ -56,6 +56,9 @@ NOT_COVERED = (
     "batch sizes or row positions in batches padded to a multiple of 16 rows (none found "
     "for the layers swept on tf_dp's test CPU; a GPU's may): train at one batch shape to "
     "rule them out (fit(..., fixed_batch_shape=True), or a PoissonSampler with pad_to=...)",
+    "batches whose other dimensions follow their examples (sequences padded to the batch's "
+    "longest): one example then sets the shape every other is computed at; pad to a length "
+    "fixed in advance",
 )
 
 
