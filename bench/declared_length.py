@@ -6,7 +6,8 @@ both fed the same fixed-length batches, with non-private Adam in the same proces
   python bench/declared_length.py --model=cnn1d    # Embedding -> Conv1D -> LayerNorm -> pool
 
 Median of 12 round-robin ``train_on_batch`` calls after 3 warm-up calls, batch 256, one
-TensorFlow thread; DPAdam exact (C = 1, sigma = 1). Results: docs/step_time.md.
+TensorFlow thread; DPAdam (C = 1, sigma = 1), exact or ``--num_projections=r`` JL.
+Results: docs/step_time.md.
 """
 
 import os
@@ -26,6 +27,7 @@ flags.DEFINE_enum("model", "bilstm", ["bilstm", "cnn1d"], "Model.")
 flags.DEFINE_integer("length", 150, "Sequence length of every batch.")
 flags.DEFINE_integer("batch_size", 256, "Batch size.")
 flags.DEFINE_integer("steps", 12, "Timed rounds (after 3 warm-up calls).")
+flags.DEFINE_integer("num_projections", 0, "JL projections r (0: exact norms).")
 
 
 def _bilstm(length):
@@ -47,7 +49,9 @@ def _compiled(build, length, private):
     model = build(length)
     if private:
         model = tf_dp.keras.make_private(model)
-        opt = tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3)
+        jl = ({"norm_strategy": tf_dp.JL(FLAGS.num_projections)} if FLAGS.num_projections
+              else {})
+        opt = tf_dp.DPAdam(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3, **jl)
     else:
         opt = keras.optimizers.Adam(1e-3)
     model.compile(optimizer=opt, loss=keras.losses.BinaryCrossentropy(from_logits=True))

@@ -184,7 +184,11 @@ def _materialise_for_projection(a, g, num_projections):
     (B, T, min(d, p)) tensor alive), so r does not scale the memory of the alternative."""
     del num_projections  # the choice is the same for every r (see above)
     t, d, p = a.shape[1], a.shape[-1], g.shape[-1]
-    if t is None or d is None or p is None or t < 2:
+    if d is None or p is None:
+        return False
+    if t is None:  # a length unknown while tracing: by the layer's sizes, as _use_ghost
+        return d * p <= _MATERIALISE_NORMS_MAX_ENTRIES
+    if t < 2:
         return False
     return d * p <= max(_MATERIALISE_SMALL_ENTRIES, t * (d + p))
 
