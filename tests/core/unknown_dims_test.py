@@ -146,6 +146,25 @@ def test_ghost_rules_with_unknown_dimensions_match_brute_force(name):
                                    err_msg=v.path)
 
 
+def test_sums_of_unknown_sizes_run_in_chunks_of_the_same_rule(monkeypatch):
+    # Gram factors of an unknown length have no static byte count: the chunk of examples
+    # is computed in the graph (4 examples of 5 x 400 float64 entries here: the 16 padded
+    # rows in 4 chunks, the sums still those of the loop over single examples).
+    from tf_dp.core.ghost import factors as factors_lib  # noqa: PLC0415
+
+    monkeypatch.setattr(factors_lib, "_SUM_CHUNK_BYTES", 4 * 8 * 5 * 400 + 7)
+    chunks = []
+    original = factors_lib._chunked_sums
+
+    def spy(looped, chunk, sanitize=None):
+        chunks.append(chunk)
+        return original(looped, chunk, sanitize)
+
+    monkeypatch.setattr(factors_lib, "_chunked_sums", spy)
+    test_ghost_rules_with_unknown_dimensions_match_brute_force("dense_wide_gram")
+    assert chunks and all(isinstance(c, tf.Tensor) for c in chunks)
+
+
 @pytest.mark.parametrize("name", ["dense_layernorm", "lstm", "embedding", "conv1d"])
 def test_jl_with_unknown_dimensions_gives_the_norms_of_known_ones(name):
     # Two copies of one model (a model's first private trace fixes which dimensions are

@@ -434,13 +434,19 @@ def joint_weighted_sums(factors, weights, sanitize=None):
     if not looped:
         return out
     sizes = [b for *_, b, _ in looped]
-    chunk = (max(1, _SUM_CHUNK_BYTES // max(sizes)) if all(sizes) else None)
     batch = looped[0][2][0].shape[0]
-    if (chunk is None or _internals.compiling_with_xla()
-            or (batch is not None and batch <= chunk)):
+    if _internals.compiling_with_xla():
         sums = _group_parts(looped, lambda t: t, lambda w: w, sanitize, [])
+    elif not all(sizes):
+        # A size unknown while tracing (a length declared None): the chunk from the
+        # tensors' sizes in the graph, the same rule (every call takes the loop).
+        sums = _chunked_sums(looped, _dynamic_chunk(looped), sanitize)
     else:
-        sums = _chunked_sums(looped, chunk, sanitize)
+        chunk = max(1, _SUM_CHUNK_BYTES // max(sizes))
+        if batch is not None and batch <= chunk:
+            sums = _group_parts(looped, lambda t: t, lambda w: w, sanitize, [])
+        else:
+            sums = _chunked_sums(looped, chunk, sanitize)
     for (k, *_), total in zip(looped, sums):
         out[k] = total
     return out
@@ -491,6 +497,17 @@ def consecutive_groups(sizes, budget):
             groups.append([k])
             total = size
     return groups
+
+
+def _dynamic_chunk(looped):
+    """``max(1, _SUM_CHUNK_BYTES // b)`` with ``b`` the largest float64 bytes per example of
+    the looped factors' tensors, computed in the graph (an int32 scalar)."""
+    largest = tf.constant(1, tf.int64)
+    for entry in looped:
+        per_example = tf.add_n([tf.reduce_prod(tf.shape(t, out_type=tf.int64)[1:])
+                                for t in entry[2]])
+        largest = tf.maximum(largest, 8 * per_example)
+    return tf.cast(tf.maximum(tf.constant(_SUM_CHUNK_BYTES, tf.int64) // largest, 1), tf.int32)
 
 
 def _chunked_sums(looped, chunk, sanitize=None):
