@@ -55,20 +55,7 @@ def test_one_example_moves_the_sum_by_at_most_c_across_train_on_batch_graphs(str
     opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=1.0,
                       norm_strategy=strategy)
     model.compile(optimizer=opt, loss=_loss)
-    sums = {}
-    original = type(opt).apply_private
-
-    def capture(self, clipped_sums, variables, expected, **kw):
-        # The float64 clipped sums, before the (zero) noise.
-        if "vars" not in sums:
-            with tf.init_scope():
-                sums["vars"] = [tf.Variable(tf.zeros(g.shape, tf.float64))
-                                for g in clipped_sums]
-        with tf.control_dependencies([v.assign(g) for v, g in zip(sums["vars"], clipped_sums)]):
-            clipped_sums = [tf.identity(g) for g in clipped_sums]
-        return original(self, clipped_sums, variables, expected, **kw)
-
-    object.__setattr__(opt, "apply_private", capture.__get__(opt))
+    last_sums = _capture_sums(opt)
     xa, xb = _crafted(33, 30, np.random.default_rng(0))
     xb[32] = xa[32] + 1.0  # z, an ordinary example
     y = np.zeros((33, 1), np.float32)
@@ -78,7 +65,7 @@ def test_one_example_moves_the_sum_by_at_most_c_across_train_on_batch_graphs(str
     def step(n):
         model.set_weights(start)
         model.train_on_batch([xa[:n], xb[:n]], y[:n])  # 33 rows: a dynamic batch
-        return np.concatenate([v.numpy().ravel() for v in sums["vars"]])
+        return last_sums()
 
     without_z, with_z = step(32), step(33)
     assert np.linalg.norm(with_z - without_z) <= _CLIP * (1 + 1e-6)  # was 3.04 C
@@ -142,8 +129,8 @@ def test_a_step_traced_with_another_dimension_unknown_is_refused():
 
 
 def _capture_sums(opt):
-    """Patches ``opt.apply_private`` to keep each step's float64 clipped sums; returns a
-    function giving the last step's, flattened."""
+    """Patches ``opt.apply_private`` to keep each step's float64 clipped sums (before the
+    noise); returns a function giving the last step's, flattened."""
     sums = {}
     original = type(opt).apply_private
 

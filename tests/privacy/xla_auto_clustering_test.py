@@ -62,6 +62,14 @@ def test_auto_clustering_set_in_the_process_is_refused(monkeypatch):
     ("--tf_xla_min_cluster_size=1", False),
 ])
 def test_auto_jit_in_tf_xla_flags_is_refused(flags, refused):
+    out = _train_on_batch_in_a_fresh_process(flags, "TF_XLA_FLAGS")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("REFUSED True 0" if refused else "RAN 1") in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def _train_on_batch_in_a_fresh_process(tf_xla_flags, word):
+    """One train_on_batch in a new process started with TF_XLA_FLAGS=``tf_xla_flags``: its
+    output says RAN <steps>, or REFUSED <whether the error names ``word``> <steps>."""
     code = ("import numpy as np, keras, tf_dp\n"
             "m = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), "
             "keras.layers.Dense(2)]))\n"
@@ -71,13 +79,11 @@ def test_auto_jit_in_tf_xla_flags_is_refused(flags, refused):
             "    m.train_on_batch(np.zeros((8, 4), 'float32'), np.zeros((8, 2), 'float32'))\n"
             "    print('RAN', m.accountant.steps)\n"
             "except ValueError as e:\n"
-            "    print('REFUSED', 'TF_XLA_FLAGS' in str(e), m.accountant.steps)\n")
+            f"    print('REFUSED', {word!r} in str(e), m.accountant.steps)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TF_XLA_FLAGS=flags, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert ("REFUSED True 0" if refused else "RAN 1") in out.stdout, out.stdout + out.stderr[-2000:]
+    env = dict(os.environ, TF_XLA_FLAGS=tf_xla_flags, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_the_flag_parser(tmp_path):
@@ -100,20 +106,7 @@ def test_the_flag_parser(tmp_path):
 def test_a_flags_file_is_read_in_a_fresh_process(tmp_path):
     flags = tmp_path / "xla.flags"
     flags.write_text("--tf_xla_auto_jit=2 --tf_xla_min_cluster_size=1")
-    code = ("import numpy as np, keras, tf_dp\n"
-            "m = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), "
-            "keras.layers.Dense(2)]))\n"
-            "m.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), "
-            "loss='mse')\n"
-            "try:\n"
-            "    m.train_on_batch(np.zeros((8, 4), 'float32'), np.zeros((8, 2), 'float32'))\n"
-            "    print('RAN', m.accountant.steps)\n"
-            "except ValueError as e:\n"
-            "    print('REFUSED', 'flags file' in str(e), m.accountant.steps)\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TF_XLA_FLAGS=str(flags), TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = _train_on_batch_in_a_fresh_process(str(flags), "flags file")
     assert "REFUSED True 0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
