@@ -416,6 +416,15 @@ def test_the_clip_norm_is_not_rounded_to_float32():
     np.testing.assert_array_equal(w.numpy(), [0.5, 0.25])
 
 
+def test_clip_factors_zero_a_non_finite_example_by_default():
+    # Session 24 review: the public clip_factors stopped on a NaN norm by default (a stop
+    # that tells the example was sampled); it gives it factor 0.
+    from tf_dp.core import clip_factors
+
+    w = clip_factors(tf.constant([2.0, np.nan, np.inf], tf.float64), 1.0, tf.float64)
+    np.testing.assert_array_equal(w.numpy(), [0.5, 0.0, 0.0])
+
+
 def _victim_model():
     model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(10, 1),
                               keras.layers.Flatten(), keras.layers.Dense(1, use_bias=False)])

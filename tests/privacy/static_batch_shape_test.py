@@ -231,10 +231,17 @@ def test_which_dimensions_are_declared_unknown():
     joined = keras.layers.Concatenate()([keras.layers.LSTM(2)(inputs["a"]), inputs["b"]])
     model = keras.Model(inputs, keras.layers.Dense(2)(joined))
     given = {"a": tf.zeros([4, 6, 3]), "b": tf.zeros([4, 7])}
-    assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (False,),
+    # targets: every non-batch dimension (only the loss reads them)
+    assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (True,),
                                                         None]
     # a list for dict inputs: its order is Keras' to decide, nothing is hidden
     assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [None, None]
+    # one input declared as a one-element list and given as an array (session 24 review)
+    single = keras.Input((None, 3))
+    listed = keras.Model([single], keras.layers.LSTM(2)(single))
+    assert declared(listed, tf.zeros([4, 6, 3]), tf.zeros([4, 6, 1]))[:2] == [
+        (True, False), (True, True)]
+    assert declared(listed, [tf.zeros([4, 6, 3])], tf.zeros([4, 2]))[0] == (True, False)
 
     class Subclassed(keras.Model):  # declares nothing
         def __init__(self):
@@ -244,7 +251,11 @@ def test_which_dimensions_are_declared_unknown():
         def call(self, x):
             return self.dense(x)
 
-    assert declared(Subclassed(), tf.zeros([4, 3]), tf.zeros([4, 2])) == [None, None, None]
+    assert declared(Subclassed(), tf.zeros([4, 3]), tf.zeros([4, 2])) == [None, (True,), None]
+    # sparse labels (B, 1) against an output (B, 3): Keras squeezes the static 1
+    classes = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 1]))[1] == (False,)
+    assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 3]))[1] == (True,)
 
 
 if __name__ == "__main__":

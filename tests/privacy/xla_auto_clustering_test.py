@@ -106,8 +106,66 @@ def test_the_flag_parser(tmp_path):
 def test_a_flags_file_is_read_in_a_fresh_process(tmp_path):
     flags = tmp_path / "xla.flags"
     flags.write_text("--tf_xla_auto_jit=2 --tf_xla_min_cluster_size=1")
-    out = _train_on_batch_in_a_fresh_process(str(flags), "flags file")
+    out = _train_on_batch_in_a_fresh_process(str(flags), "TF_XLA_FLAGS")
     assert "REFUSED True 0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_flags_unset_before_tf_dp_is_imported_are_read_from_tensorflow():
+    # Session 24 review: TF_XLA_FLAGS set in the process, read by TensorFlow, then unset
+    # before tf_dp's import: clean at every moment tf_dp read the environment (2.89 C
+    # through train_on_batch). TensorFlow's parsed flags are read instead.
+    code = ("import os\n"
+            "os.environ['TF_XLA_FLAGS'] = '--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit'\n"
+            "import tensorflow as tf\n"
+            "tf.function(lambda: tf.constant(1.0) + 1.0)()\n"
+            "del os.environ['TF_XLA_FLAGS']\n"
+            "import numpy as np, keras, tf_dp\n"
+            "m = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), "
+            "keras.layers.Dense(2)]))\n"
+            "m.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), "
+            "loss='mse')\n"
+            "try:\n"
+            "    m.train_on_batch(np.zeros((8, 4), 'float32'), np.zeros((8, 2), 'float32'))\n"
+            "    print('RAN', m.accountant.steps)\n"
+            "except ValueError as e:\n"
+            "    print('REFUSED', 'parsed' in str(e), m.accountant.steps)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert "REFUSED True 0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_auto_clustering_on_and_off_again_between_two_reads_voids_the_steps(monkeypatch):
+    # Session 24 review: set_jit on for three steps of a custom loop and off before the
+    # report left no caveat (7.31 C with TensorFlow's global jit flag). tf_dp's wrapper of
+    # set_jit records when it was on; steps read after that carry the caveat, and a later
+    # read of steps run with it off does not.
+    monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
+    model = _model()
+    opt = model.optimizer
+    loss_fn = tf_dp.core.build_per_example_loss("mse")
+
+    @tf.function
+    def loop_step(x, y):
+        out = tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    x, y = _batch()
+    loop_step(x, y)
+    assert model.privacy_report()["guarantee_holds"]
+    tf.config.optimizer.set_jit("autoclustering")
+    try:
+        loop_step(x, y)
+    finally:
+        tf.config.optimizer.set_jit(False)
+    report = model.privacy_report()
+    assert report["steps"] == 2 and not report["guarantee_holds"]
+    assert any(c.startswith("XLA_AUTO_CLUSTERING") for c in report["caveats"])
+    fresh = _model()  # a model whose steps all ran with it off
+    fresh.train_on_batch(x, y)
+    assert fresh.privacy_report()["guarantee_holds"]
 
 
 def test_auto_clustering_turned_on_after_the_trace(monkeypatch):

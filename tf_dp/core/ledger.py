@@ -15,6 +15,7 @@ restores them (the spent budget itself is saved by the model, see ``tf_dp.keras`
 from __future__ import annotations
 
 import threading
+import time
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
@@ -29,6 +30,8 @@ class StepLedger:
     """Counts applied private steps per mechanism (sigma, q, r)."""
 
     def __init__(self):
+        #: when the ledger was made (time.monotonic): no step of it ran before
+        self.created = time.monotonic()
         self._slots: List[Mechanism] = []
         #: slot -> caveats its steps carry (``note``), given to the budget that drains them
         self._notes = {}

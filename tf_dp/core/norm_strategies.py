@@ -391,7 +391,7 @@ def real_rows(sample_weight):
     return nonzero
 
 
-def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error",
+def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "zero",
                  real=None):
     """``w_i = C / max(n_i, C)``, i.e. ``min(1, C/n_i)`` and 1 for a zero gradient.
 
@@ -403,9 +403,10 @@ def clip_factors(norms, l2_norm_clip, dtype=tf.float32, non_finite: str = "error
     compute dtype (bfloat16 would round a factor up by up to 2^-9). So every example's
     contribution to the sums is at most ``C (1 + 2u)`` (``w_i``'s rounding; u = 2^-53).
 
-    ``non_finite``: "error" (non-finite norms stop training with a clear error instead of
-    reaching the weights) or "zero" (such an example gets factor 0 and contributes nothing:
-    a function of that example alone, so every example's contribution stays within C).
+    ``non_finite``: "zero" (default: such an example gets factor 0 and contributes
+    nothing, a function of that example alone, so every example's contribution stays within
+    C) or "error" (non-finite norms stop training, a stop that tells the example was
+    sampled; "error" was the default of this public function until session 24's review).
 
     ``real``: optional (B,) bool, the rows that are examples (``real_rows``). The others
     (sample weight 0: Poisson padding) get factor 0 and are never an error: a padding row of

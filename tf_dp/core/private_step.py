@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
+import weakref
 
 import keras
 import tensorflow as tf
@@ -118,6 +121,7 @@ def check_exact_float_arithmetic():
     between two of those moments, while a kernel read it (docs/privacy.md).
     """
     rewrite = mixed_precision_rewrite_setting()
+    _note_setting(MIXED_PRECISION_REWRITE, bool(rewrite), rewrite)
     if rewrite:
         raise ValueError(
             f"Grappler's automatic mixed precision is on ({rewrite}): it rewrites float32 "
@@ -170,20 +174,164 @@ def _auto_clustering_flags(flags, _depth=0) -> str:
     return ""
 
 
+def _parsed_xla_flags() -> str:
+    """What TensorFlow itself parsed from TF_XLA_FLAGS ("" if nothing turns auto-clustering
+    on): the variable can be set before TensorFlow reads it and unset before tf_dp looks
+    (session 24 review: 2.89 C through train_on_batch, the environment clean at all three
+    moments tf_dp read it)."""
+    try:
+        from tensorflow.python.client import pywrap_tf_session as c_api  # noqa: PLC0415
+
+        if c_api.TF_GetXlaAutoJitEnabled():
+            return "TensorFlow's parsed TF_XLA_FLAGS with --tf_xla_auto_jit on"
+        # No getter: setting returns the previous value, which is put back at once.
+        previous = c_api.TF_SetTfXlaCpuGlobalJit(0)
+        c_api.TF_SetTfXlaCpuGlobalJit(previous)
+        if previous:
+            return "TensorFlow's parsed TF_XLA_FLAGS with --tf_xla_cpu_global_jit"
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other builds
+        return ""
+    return ""
+
+
 def xla_auto_clustering_setting() -> str:
-    """How XLA auto-clustering is on in this process ("" if it is not): ``set_jit``, or
-    TF_XLA_FLAGS now, at tf_dp's import or at the process's start (``_auto_clustering_flags``)."""
+    """How XLA auto-clustering is on in this process ("" if it is not): ``set_jit``, the
+    flags TensorFlow parsed, or TF_XLA_FLAGS now, at tf_dp's import or at the process's start
+    (``_auto_clustering_flags``)."""
     try:
         jit = tf.config.optimizer.get_jit()
     except (AttributeError, ValueError):  # pragma: no cover - an older TensorFlow
         jit = ""
     if jit and str(jit).lower() not in ("false", "0", "off"):
         return f"tf.config.optimizer.get_jit() = {jit!r}"
+    parsed = _parsed_xla_flags()
+    if parsed:
+        return parsed
     for when, value in _values_in_this_process("TF_XLA_FLAGS"):
         flag = _auto_clustering_flags(value)
         if flag:
             return f"TF_XLA_FLAGS {when} with {flag}"
     return ""
+
+
+# ------------------------------------------------------ settings on at some time (latched)
+
+#: kind -> list of [start, end or None] (time.monotonic) while that setting was on, as far as
+#: tf_dp saw: the wrapped setters (``_install_setting_latches``) and every check. A budget
+#: voids the steps it reads when one of these overlaps the time since it last read that
+#: ledger (``settings_on_since``).
+_SETTING_INTERVALS = {}
+_SETTING_LOCK = threading.Lock()
+
+#: the kinds of ``_SETTING_INTERVALS`` (budget.py has a caveat for each)
+AUTO_CLUSTERING, MIXED_PRECISION_REWRITE = "auto_clustering", "mixed_precision_rewrite"
+
+
+def _note_setting(kind, on, detail=""):
+    """Records that setting ``kind`` is ``on`` (or off) now."""
+    now = time.monotonic()
+    with _SETTING_LOCK:
+        intervals = _SETTING_INTERVALS.setdefault(kind, [])
+        open_ = intervals and intervals[-1][1] is None
+        if on and not open_:
+            intervals.append([now, None, detail])
+        elif not on and open_:
+            intervals[-1][1] = now
+
+
+def settings_on_since(start) -> dict:
+    """{kind: detail} of the settings on at some time after ``start`` (time.monotonic), or
+    on now. Checks the current ones first."""
+    _note_setting(AUTO_CLUSTERING, *_on_and_detail(xla_auto_clustering_setting()))
+    _note_setting(MIXED_PRECISION_REWRITE, *_on_and_detail(mixed_precision_rewrite_setting()))
+    with _SETTING_LOCK:
+        out = {}
+        for kind, intervals in _SETTING_INTERVALS.items():
+            for begin, end, detail in intervals:
+                if end is None or end > start:
+                    out[kind] = detail
+        return out
+
+
+def _on_and_detail(setting):
+    return bool(setting), setting
+
+
+def _install_setting_latches():
+    """Wraps ``tf.config.optimizer.set_jit`` and ``set_experimental_options`` so that
+    tf_dp sees every time they turn auto-clustering or a mixed precision rewrite on or off,
+    also between two reads of a custom loop's steps (session 24 review: turned on for three
+    steps and off before the report, 7.31 C with no caveat). The wrapped functions behave as
+    TensorFlow's."""
+    module = tf.config.optimizer
+    for name, kind, setting in (
+            ("set_jit", AUTO_CLUSTERING, lambda: xla_auto_clustering_setting()),
+            ("set_experimental_options", MIXED_PRECISION_REWRITE,
+             lambda: mixed_precision_rewrite_setting())):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_tf_dp_latch", False):
+            continue
+
+        def wrapper(*args, _original=original, _kind=kind, _setting=setting, **kwargs):
+            out = _original(*args, **kwargs)
+            _note_setting(_kind, *_on_and_detail(_setting()))
+            return out
+
+        functools.update_wrapper(wrapper, original)
+        wrapper._tf_dp_latch = True
+        setattr(module, name, wrapper)
+
+
+_install_setting_latches()
+
+_OWN_STEP = threading.local()
+
+
+class own_train_step:
+    """While tf_dp's Keras train step traces (this thread): it handles XLA's batch shapes
+    itself (``XLA_BATCH_SHAPES`` where they follow the data, padding where fit draws them)."""
+
+    def __enter__(self):
+        _OWN_STEP.depth = getattr(_OWN_STEP, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _OWN_STEP.depth -= 1
+        return False
+
+
+#: the caveat of a private model whose sums were traced under XLA outside its train step
+XLA_CUSTOM_SUMS_DETAIL = "tf_dp.core.clipped_sum traced under XLA outside tf_dp's train step"
+
+
+def _note_xla_outside_own_step(model, variables):
+    """A ``clipped_sum`` traced under XLA by code other than tf_dp's train step (a custom
+    loop under the user's ``jit_compile=True``): its batch shapes are unknown to tf_dp, and
+    the sums may reach ``apply_private`` through another function, outside XLA (session 24
+    review: 1.33 C with no caveat). A private model's budget carries the voiding caveat;
+    and ``apply_private`` notes it for the steps of these variables
+    (``sums_formed_under_xla``), whatever model they belong to."""
+    if not _internals.compiling_with_xla() or getattr(_OWN_STEP, "depth", 0):
+        return
+    with _SETTING_LOCK:
+        for v in variables:
+            _XLA_SUM_VARIABLES[id(v)] = weakref.ref(v)
+    caveat = getattr(model, "_dp_caveat", None)
+    if caveat is not None:
+        from tf_dp.keras.budget import XLA_CUSTOM_SUMS_CAVEAT  # noqa: PLC0415 (a cycle)
+
+        caveat(XLA_CUSTOM_SUMS_CAVEAT.format(setting=XLA_CUSTOM_SUMS_DETAIL))
+
+
+#: id -> weak reference of the variables whose clipped sums were traced under XLA outside
+#: tf_dp's train step (Keras variables are not hashable)
+_XLA_SUM_VARIABLES = {}
+
+
+def sums_formed_under_xla(variables) -> bool:
+    """Whether ``clipped_sum`` was traced under XLA, outside tf_dp's train step, for any of
+    ``variables`` (``_note_xla_outside_own_step``)."""
+    with _SETTING_LOCK:
+        return any(_XLA_SUM_VARIABLES.get(id(v), lambda: None)() is v for v in variables)
 
 
 def check_no_xla_auto_clustering():
@@ -204,6 +352,7 @@ def check_no_xla_auto_clustering():
     then): ``set_jit`` called after the step was traced still reaches it (session 24
     audit)."""
     setting = xla_auto_clustering_setting()
+    _note_setting(AUTO_CLUSTERING, bool(setting), setting)
     if setting:
         raise ValueError(
             f"XLA auto-clustering is on ({setting}): it compiles parts of the private step "
@@ -280,6 +429,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     check_no_xla_auto_clustering()
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
+    _note_xla_outside_own_step(model, variables)
     hide = declared_unknown_dims(model, x, y, sample_weight)
     x, y, sample_weight = dynamic_batch((x, y, sample_weight), hide)
     _check_one_kind_of_trace(model, (x, y))
@@ -360,24 +510,45 @@ def declared_unknown_dims(model, x, y, sample_weight=None):
     """Which dimensions ``dynamic_batch`` hides besides the batch: per dense tensor of
     ``(x, y, sample_weight)`` (flattened), a tuple of flags over its non-batch dimensions.
 
-    A dimension of ``x`` the model's ``keras.Input`` declares None, a dimension of ``y``
-    its output declares None (sparse labels: the output's without its last), and every
-    non-batch dimension of sample weights (only the loss reads them): so every trace leaves
-    them unknown, whatever sizes the calls have and whatever Keras relaxes. None where the
-    model declares nothing (a subclassed model) or the structures do not match."""
+    A dimension of ``x`` the model's ``keras.Input`` declares None, and every non-batch
+    dimension of the targets and sample weights (only the loss reads them): so every trace
+    leaves them unknown, whatever sizes the calls have and whatever Keras relaxes. None for
+    an input where the model declares nothing (a subclassed model, a Sequential model
+    without an Input) or the structures do not match. (Targets first took the output's
+    declared None dimensions: targets of another rank, (B, T, 1) for an output (B, T), kept
+    the refusal that followed padded-to-longest data, session 24 review.)"""
     flat_x, flat_y = tf.nest.flatten(x), tf.nest.flatten(y)
     flat_w = tf.nest.flatten(sample_weight)
     inputs = _declared(model, "_inputs_struct", "inputs", x)
     outputs = _declared(model, "_outputs_struct", "outputs", y)
     out = []
     for k, t in enumerate(flat_x):
-        out.append(_unknown_flags(t, None if inputs is None else inputs[k], 0))
+        out.append(_unknown_flags(t, None if inputs is None else inputs[k]))
     for k, t in enumerate(flat_y):
-        out.append(_unknown_flags(t, None if outputs is None else outputs[k], 1))
-    for t in flat_w:
-        rank = t.shape.rank if isinstance(t, tf.Tensor) else None
-        out.append(None if not rank else (True,) * (rank - 1))
+        flags = _all_but_batch(t)
+        if flags and _sparse_label_axis(t, None if outputs is None else outputs[k]):
+            flags = flags[:-1] + (False,)  # Keras' sparse losses squeeze it by its static 1
+        out.append(flags)
+    out.extend(_all_but_batch(t) for t in flat_w)
     return out
+
+
+def _all_but_batch(t):
+    rank = t.shape.rank if isinstance(t, tf.Tensor) else None
+    return None if not rank else (True,) * (rank - 1)
+
+
+def _sparse_label_axis(t, declared_output):
+    """Whether target ``t`` ends in the axis of 1 of sparse labels, (B, ..., 1) against an
+    output of the same rank whose last dimension is declared larger (by the model's
+    declaration and the target's rank, never its sizes elsewhere), or, without a declared
+    output, a static last dimension of 1."""
+    if t.shape.rank < 2 or t.shape[-1] != 1:
+        return False
+    if declared_output is None:
+        return True
+    shape = tuple(declared_output.shape)
+    return len(shape) == t.shape.rank and shape[-1] is not None and shape[-1] > 1
 
 
 def _declared(model, struct_name, list_name, given):
@@ -388,6 +559,14 @@ def _declared(model, struct_name, list_name, given):
             declared = getattr(model, list_name, None)
             if isinstance(declared, (list, tuple)) and len(declared) == 1:
                 declared = declared[0]
+        # One input given or declared as a one-element list (keras.Model([i], out) called
+        # with an array, or the reverse: session 24 review) is that input.
+        if isinstance(declared, (list, tuple)) and len(declared) == 1 and not isinstance(
+                given, (list, tuple, dict)):
+            declared = declared[0]
+        if isinstance(given, (list, tuple)) and len(given) == 1 and not isinstance(
+                declared, (list, tuple, dict)):
+            given = given[0]
         if declared is None or not _same_nest(declared, given):
             return None
     except (AttributeError, ValueError, TypeError):
@@ -413,18 +592,13 @@ def _same_nest(declared, given) -> bool:
     return True
 
 
-def _unknown_flags(t, declared, drop_last):
+def _unknown_flags(t, declared):
     """Flags over ``t``'s non-batch dimensions: declared None in ``declared`` (a KerasTensor
-    of ``t``'s rank, or of one more when ``drop_last``, sparse labels)."""
+    of ``t``'s rank), or None."""
     if declared is None or not isinstance(t, tf.Tensor) or not t.shape.rank:
         return None
     shape = tuple(declared.shape)
-    rank = t.shape.rank
-    if len(shape) == rank:
-        pass
-    elif drop_last and len(shape) == rank + 1:
-        shape = shape[:-1]
-    else:
+    if len(shape) != t.shape.rank:
         return None
     return tuple(d is None for d in shape[1:])
 

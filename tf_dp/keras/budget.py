@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import warnings
 import weakref
 
@@ -23,22 +24,33 @@ from tf_dp.keras.privacy_callback import max_additional_steps
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
            "XLA_BATCH_SHAPES", "XLA_AUTO_CLUSTERING", "MIXED_PRECISION_REWRITE", "UNCHECKED")
 
-#: the caveat of steps read while XLA auto-clustering is on (``_drain_ledger``)
+#: the caveat of steps read after XLA auto-clustering was on (``_drain_ledger``)
 XLA_AUTO_CLUSTERING_CAVEAT = (
-    "XLA_AUTO_CLUSTERING: private steps were read while XLA auto-clustering was on "
+    "XLA_AUTO_CLUSTERING: private steps were read after XLA auto-clustering was on "
     "({setting}). It compiles parts of a traced step for each batch shape, whose kernels "
     "round an example's gradient differently for different batch sizes, so one example "
     "could move an update by more than the clipping norm. tf_dp refuses to trace a step "
     "under it; this one was turned on after. Turn it off and use "
     "model.compile(jit_compile=True).")
 
-#: the caveat of steps read while Grappler's automatic mixed precision is on
+#: the caveat of steps read after Grappler's automatic mixed precision was on
 MIXED_PRECISION_REWRITE_CAVEAT = (
-    "MIXED_PRECISION_REWRITE: private steps were read while Grappler's automatic mixed "
+    "MIXED_PRECISION_REWRITE: private steps were read after Grappler's automatic mixed "
     "precision was on ({setting}). It rewrites float32 products and convolutions to a 16-bit "
     "type, outside the rounding bounds that keep every example's contribution within the "
     "clipping norm. tf_dp refuses to trace a step under it; this one was turned on after. "
     "Turn it off, and use a Keras dtype policy for mixed precision.")
+
+#: the caveat of steps read after sums were traced under XLA outside tf_dp's train step
+XLA_CUSTOM_SUMS_CAVEAT = (
+    "XLA_BATCH_SHAPES: {setting} (a custom loop under jit_compile=True), whose batch shapes "
+    "tf_dp cannot know. XLA's CPU kernels round a row differently for different batch "
+    "sizes, so one example could move an update by more than the clipping norm. Run custom "
+    "loops outside XLA, or use fit().")
+
+#: settings_on_since's kinds -> the caveat of the steps read after they were on
+_SETTING_CAVEATS = {private_step.AUTO_CLUSTERING: XLA_AUTO_CLUSTERING_CAVEAT,
+                    private_step.MIXED_PRECISION_REWRITE: MIXED_PRECISION_REWRITE_CAVEAT}
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained
@@ -104,6 +116,9 @@ class PrivacyBudget:
         #: saved budget (lineage -> that budget's config then): what it shares with them.
         self.forks: dict = {}
         self.caveats: set = set()
+        #: ledger -> when this budget last read its steps (time.monotonic; before the first
+        #: read, the ledger's creation)
+        self._last_reads = weakref.WeakKeyDictionary()
         #: what happened to the record (e.g. a recovery from a budget journal), in order.
         self.notes: list = []
         #: the budget this one was taken into (two private models over the same variables
@@ -132,19 +147,26 @@ class PrivacyBudget:
             self._drain_ledger(ledger)
 
     def _drain_ledger(self, ledger) -> None:
+        now = time.monotonic()
+        try:
+            self._drain_ledger_steps(ledger)
+        finally:
+            self._last_reads[ledger] = now
+
+    def _drain_ledger_steps(self, ledger) -> None:
         for sigma, q, r, count in ledger.drain():
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
             self.caveats.update(ledger.caveats_of((sigma, q, r)))
-            # Settings the step's own checks refuse while it is traced, on when its steps
-            # are read: turned on after the trace, which still reaches it (session 24
-            # audit: auto-clustering, 12.3 C and 20.6 C).
-            auto_clustering = private_step.xla_auto_clustering_setting()
-            if auto_clustering:
-                self.caveats.add(XLA_AUTO_CLUSTERING_CAVEAT.format(setting=auto_clustering))
-            rewrite = private_step.mixed_precision_rewrite_setting()
-            if rewrite:
-                self.caveats.add(MIXED_PRECISION_REWRITE_CAVEAT.format(setting=rewrite))
+            # Settings the step's own checks refuse while it is traced, on at some time
+            # since this budget last read steps (turned on after the trace, which still
+            # reaches it: session 24 audit, auto-clustering 12.3 C and 20.6 C; and off
+            # again before the read, session 24 review, 7.31 C).
+            since = self._last_reads.get(ledger, getattr(ledger, "created", 0.0))
+            on = private_step.settings_on_since(since)
+            for kind, caveat in _SETTING_CAVEATS.items():
+                if kind in on:
+                    self.caveats.add(caveat.format(setting=on[kind]))
             if r is not None:
                 # What exact clipping would have cost at the same sigma, q and steps.
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,

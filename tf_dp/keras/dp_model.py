@@ -778,7 +778,7 @@ class DPTrainMixin:
         # Under a name scope of its own: a model named "_..." (a class "_MyModel") is not a
         # valid *root* name scope in a graph; Keras then fails and leaves its scope on its
         # global stack, prefixing every later variable path.
-        with tf.name_scope("tf_dp_private_step"):
+        with tf.name_scope("tf_dp_private_step"), private_step.own_train_step():
             logs = self._dp_train_step(data)
         if _internals.in_multi_worker_mode(self.distribute_strategy):
             # Keras reduces a multi-worker step's outputs with reduce("MEAN", axis=0), which

@@ -441,10 +441,12 @@ class DPOptimizerMixin:
             for q in qs:
                 if q < 1.0:
                     self._dp_ledger.note(self.mechanism(q), _DECLARED_Q_CAVEAT.format(q=q))
-                if _internals.compiling_with_xla():
+                if _internals.compiling_with_xla() or private_step.sums_formed_under_xla(
+                        variables):
                     # tf_dp's own step notes this where its batches' shapes follow the data
                     # (session 24 audit: a custom loop under jit_compile=True had no caveat
-                    # while one example moved the update by 1.33 C).
+                    # while one example moved the update by 1.33 C; the review: its sums
+                    # under XLA and apply_private in another function, neither).
                     self._dp_ledger.note(self.mechanism(q), _XLA_CUSTOM_LOOP_CAVEAT)
         with tf.control_dependencies(grads):
             if phase is None:
