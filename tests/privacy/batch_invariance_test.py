@@ -413,9 +413,8 @@ def test_fit_with_fixed_batch_shape_runs_every_step_at_one_shape_without_xla():
                       **{"batch_size": batch, **kwargs})
 
 
-def test_a_custom_loop_under_xla_is_reported():
-    # Session 24 audit: a custom loop over clipped_sum and apply_private under the user's
-    # tf.function(jit_compile=True) had no caveat (one example moved the update by 1.33 C).
+def _private_dense():
+    """A private Dense model, its DPSGD and an MSE per-example loss, for custom loops."""
     import tf_dp  # noqa: PLC0415
 
     keras.utils.set_random_seed(0)
@@ -423,10 +422,16 @@ def test_a_custom_loop_under_xla_is_reported():
                                                        keras.layers.Dense(2)]))
     opt = tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
     model.compile(optimizer=opt, loss="mse")
-    loss_fn = tf_dp.core.build_per_example_loss("mse")
+    return model, opt, tf_dp.core.build_per_example_loss("mse")
+
+
+def test_a_custom_loop_under_xla_is_reported():
+    # Session 24 audit: a custom loop over clipped_sum and apply_private under the user's
+    # tf.function(jit_compile=True) had no caveat (one example moved the update by 1.33 C).
+    model, opt, loss_fn = _private_dense()
 
     def step(x, y):
-        out = tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0)
+        out = clipped_sum(model, x, y, None, loss_fn, 1.0)
         opt.apply_private(out.grads, model.trainable_variables, 8.0)
 
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
@@ -441,18 +446,11 @@ def test_a_custom_loop_under_xla_is_reported():
 def test_a_custom_loop_with_its_sums_under_xla_and_its_update_outside_is_reported():
     # Session 24 review: the sums under XLA, apply_private in another function without it:
     # the caveat of apply_private under XLA missed it (1.33 C, no caveat).
-    import tf_dp  # noqa: PLC0415
-
-    keras.utils.set_random_seed(0)
-    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)),
-                                                       keras.layers.Dense(2)]))
-    opt = tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
-    model.compile(optimizer=opt, loss="mse")
-    loss_fn = tf_dp.core.build_per_example_loss("mse")
+    model, opt, loss_fn = _private_dense()
 
     @tf.function(jit_compile=True)
     def sums(x, y):
-        return tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0).grads
+        return clipped_sum(model, x, y, None, loss_fn, 1.0).grads
 
     @tf.function
     def update(grads):

@@ -31,6 +31,19 @@ def _model():
     return model
 
 
+def _custom_loop_step(model):
+    """A traced custom loop step over ``tf_dp.core.clipped_sum`` and ``apply_private``."""
+    opt = model.optimizer
+    loss_fn = tf_dp.core.build_per_example_loss("mse")
+
+    @tf.function
+    def loop_step(x, y):
+        out = tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    return loop_step
+
+
 def _batch(n=8):
     rng = np.random.default_rng(0)
     return rng.normal(size=(n, 4)).astype(np.float32), rng.normal(size=(n, 2)).astype(np.float32)
@@ -67,10 +80,11 @@ def test_auto_jit_in_tf_xla_flags_is_refused(flags, refused):
     assert ("REFUSED True 0" if refused else "RAN 1") in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def _train_on_batch_in_a_fresh_process(tf_xla_flags, word):
-    """One train_on_batch in a new process started with TF_XLA_FLAGS=``tf_xla_flags``: its
-    output says RAN <steps>, or REFUSED <whether the error names ``word``> <steps>."""
-    code = ("import numpy as np, keras, tf_dp\n"
+def _train_on_batch_in_a_fresh_process(tf_xla_flags, word, prelude=""):
+    """One train_on_batch in a new process started with TF_XLA_FLAGS=``tf_xla_flags`` (None:
+    unset), after the code ``prelude``: its output says RAN <steps>, or REFUSED <whether the
+    error names ``word``> <steps>."""
+    code = (prelude + "import numpy as np, keras, tf_dp\n"
             "m = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), "
             "keras.layers.Dense(2)]))\n"
             "m.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), "
@@ -81,7 +95,10 @@ def _train_on_batch_in_a_fresh_process(tf_xla_flags, word):
             "except ValueError as e:\n"
             f"    print('REFUSED', {word!r} in str(e), m.accountant.steps)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TF_XLA_FLAGS=tf_xla_flags, TF_CPP_MIN_LOG_LEVEL="3")
+    env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    if tf_xla_flags is not None:
+        env["TF_XLA_FLAGS"] = tf_xla_flags
     return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -114,26 +131,12 @@ def test_flags_unset_before_tf_dp_is_imported_are_read_from_tensorflow():
     # Session 24 review: TF_XLA_FLAGS set in the process, read by TensorFlow, then unset
     # before tf_dp's import: clean at every moment tf_dp read the environment (2.89 C
     # through train_on_batch). TensorFlow's parsed flags are read instead.
-    code = ("import os\n"
-            "os.environ['TF_XLA_FLAGS'] = '--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit'\n"
-            "import tensorflow as tf\n"
-            "tf.function(lambda: tf.constant(1.0) + 1.0)()\n"
-            "del os.environ['TF_XLA_FLAGS']\n"
-            "import numpy as np, keras, tf_dp\n"
-            "m = tf_dp.keras.make_private(keras.Sequential([keras.Input((4,)), "
-            "keras.layers.Dense(2)]))\n"
-            "m.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), "
-            "loss='mse')\n"
-            "try:\n"
-            "    m.train_on_batch(np.zeros((8, 4), 'float32'), np.zeros((8, 2), 'float32'))\n"
-            "    print('RAN', m.accountant.steps)\n"
-            "except ValueError as e:\n"
-            "    print('REFUSED', 'parsed' in str(e), m.accountant.steps)\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TF_XLA_FLAGS"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    prelude = ("import os\n"
+               "os.environ['TF_XLA_FLAGS'] = '--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit'\n"
+               "import tensorflow as tf\n"
+               "tf.function(lambda: tf.constant(1.0) + 1.0)()\n"
+               "del os.environ['TF_XLA_FLAGS']\n")
+    out = _train_on_batch_in_a_fresh_process(None, "parsed", prelude)
     assert "REFUSED True 0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
@@ -144,14 +147,7 @@ def test_auto_clustering_on_and_off_again_between_two_reads_voids_the_steps(monk
     # read of steps run with it off does not.
     monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
     model = _model()
-    opt = model.optimizer
-    loss_fn = tf_dp.core.build_per_example_loss("mse")
-
-    @tf.function
-    def loop_step(x, y):
-        out = tf_dp.core.clipped_sum(model, x, y, None, loss_fn, 1.0)
-        opt.apply_private(out.grads, model.trainable_variables, 8.0)
-
+    loop_step = _custom_loop_step(model)
     x, y = _batch()
     loop_step(x, y)
     assert model.privacy_report()["guarantee_holds"]
@@ -176,14 +172,7 @@ def test_auto_clustering_turned_on_after_the_trace(monkeypatch):
     model = _model()
     model.train_on_batch(*_batch())
     loop_model = _model()
-    opt = loop_model.optimizer
-    loss_fn = tf_dp.core.build_per_example_loss("mse")
-
-    @tf.function
-    def loop_step(x, y):
-        out = tf_dp.core.clipped_sum(loop_model, x, y, None, loss_fn, 1.0)
-        opt.apply_private(out.grads, loop_model.trainable_variables, 8.0)
-
+    loop_step = _custom_loop_step(loop_model)
     x, y = _batch()
     loop_step(x, y)  # traced and run without auto-clustering
     assert loop_model.privacy_report()["guarantee_holds"]
