@@ -411,6 +411,25 @@ def test_mirrored_batch_size_schedule_divides_and_accounts_by_each_steps_phase(r
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_mirrored_batch_size_schedule_builds_the_model_from_the_batch_not_the_phase(request):
+    # Review s24b: the model's symbolic build took the schedule's (batch, phase) element as
+    # (inputs, targets), so a loss that checks shapes failed before the first step.
+    if not _in_two_cpu_process(request):
+        return
+    from tf_dp.schedules import PiecewiseBatchSize
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = rng.integers(0, 2, 48).astype("int32")
+    with _strategy().scope():
+        model = make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        model.compile(optimizer=DPSGD(1.0, 1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=PiecewiseBatchSize([3], [8, 16]), steps_per_epoch=5, epochs=1,
+              verbose=0)
+    assert _steps(model) == 5
+
+
 def test_replicas_sums_are_added_in_float64_before_the_one_rounding(request):
     # Each replica holds its clipped sum in float64 (ghost.SUM_DTYPE). They are added in
     # float64 by apply_private (with the first replica's noise), and rounded to float32 once:

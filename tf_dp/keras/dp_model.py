@@ -697,6 +697,12 @@ class DPTrainMixin:
                     batch)
                 break
             iterator = None
+            sampling = getattr(self, "_dp_sampling", None)
+            if (data_batch is not None and sampling is not None
+                    and isinstance(sampling[1], tuple)):
+                # A batch-size schedule's elements are (batch, phase): the build takes the
+                # batch (the phase went in as the targets: review s24b, a shape error).
+                data_batch = data_batch[0]
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _dp_remaining_steps(self, mechanism):
