@@ -121,7 +121,7 @@ def check_exact_float_arithmetic():
     between two of those moments, while a kernel read it (docs/privacy.md).
     """
     rewrite = mixed_precision_rewrite_setting()
-    _note_setting(MIXED_PRECISION_REWRITE, bool(rewrite), rewrite)
+    _note_setting(MIXED_PRECISION_REWRITE, rewrite)
     if rewrite:
         raise ValueError(
             f"Grappler's automatic mixed precision is on ({rewrite}): it rewrites float32 "
@@ -227,23 +227,23 @@ _SETTING_LOCK = threading.Lock()
 AUTO_CLUSTERING, MIXED_PRECISION_REWRITE = "auto_clustering", "mixed_precision_rewrite"
 
 
-def _note_setting(kind, on, detail=""):
-    """Records that setting ``kind`` is ``on`` (or off) now."""
+def _note_setting(kind, detail):
+    """Records that setting ``kind`` is on now (``detail``, how) or off ("")."""
     now = time.monotonic()
     with _SETTING_LOCK:
         intervals = _SETTING_INTERVALS.setdefault(kind, [])
         open_ = intervals and intervals[-1][1] is None
-        if on and not open_:
+        if detail and not open_:
             intervals.append([now, None, detail])
-        elif not on and open_:
+        elif not detail and open_:
             intervals[-1][1] = now
 
 
 def settings_on_since(start) -> dict:
     """{kind: detail} of the settings on at some time after ``start`` (time.monotonic), or
     on now. Checks the current ones first."""
-    _note_setting(AUTO_CLUSTERING, *_on_and_detail(xla_auto_clustering_setting()))
-    _note_setting(MIXED_PRECISION_REWRITE, *_on_and_detail(mixed_precision_rewrite_setting()))
+    _note_setting(AUTO_CLUSTERING, xla_auto_clustering_setting())
+    _note_setting(MIXED_PRECISION_REWRITE, mixed_precision_rewrite_setting())
     with _SETTING_LOCK:
         out = {}
         for kind, intervals in _SETTING_INTERVALS.items():
@@ -251,10 +251,6 @@ def settings_on_since(start) -> dict:
                 if end is None or end > start:
                     out[kind] = detail
         return out
-
-
-def _on_and_detail(setting):
-    return bool(setting), setting
 
 
 def _install_setting_latches():
@@ -265,16 +261,16 @@ def _install_setting_latches():
     TensorFlow's."""
     module = tf.config.optimizer
     for name, kind, setting in (
-            ("set_jit", AUTO_CLUSTERING, lambda: xla_auto_clustering_setting()),
+            ("set_jit", AUTO_CLUSTERING, xla_auto_clustering_setting),
             ("set_experimental_options", MIXED_PRECISION_REWRITE,
-             lambda: mixed_precision_rewrite_setting())):
+             mixed_precision_rewrite_setting)):
         original = getattr(module, name, None)
         if original is None or getattr(original, "_tf_dp_latch", False):
             continue
 
         def wrapper(*args, _original=original, _kind=kind, _setting=setting, **kwargs):
             out = _original(*args, **kwargs)
-            _note_setting(_kind, *_on_and_detail(_setting()))
+            _note_setting(_kind, _setting())
             return out
 
         functools.update_wrapper(wrapper, original)
@@ -352,7 +348,7 @@ def check_no_xla_auto_clustering():
     then): ``set_jit`` called after the step was traced still reaches it (session 24
     audit)."""
     setting = xla_auto_clustering_setting()
-    _note_setting(AUTO_CLUSTERING, bool(setting), setting)
+    _note_setting(AUTO_CLUSTERING, setting)
     if setting:
         raise ValueError(
             f"XLA auto-clustering is on ({setting}): it compiles parts of the private step "

@@ -154,23 +154,25 @@ class PrivacyBudget:
             self._last_reads[ledger] = now
 
     def _drain_ledger_steps(self, ledger) -> None:
-        for sigma, q, r, count in ledger.drain():
+        drained = ledger.drain()
+        for sigma, q, r, count in drained:
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
             self.caveats.update(ledger.caveats_of((sigma, q, r)))
+            if r is not None:
+                # What exact clipping would have cost at the same sigma, q and steps.
+                self.exact_clipping_accountant.step(noise_multiplier=sigma,
+                                                    sampling_probability=q, count=count)
+        if drained:
             # Settings the step's own checks refuse while it is traced, on at some time
-            # since this budget last read steps (turned on after the trace, which still
-            # reaches it: session 24 audit, auto-clustering 12.3 C and 20.6 C; and off
+            # since this budget last read this ledger (turned on after the trace, which
+            # still reaches it: session 24 audit, auto-clustering 12.3 C and 20.6 C; and off
             # again before the read, session 24 review, 7.31 C).
             since = self._last_reads.get(ledger, getattr(ledger, "created", 0.0))
             on = private_step.settings_on_since(since)
             for kind, caveat in _SETTING_CAVEATS.items():
                 if kind in on:
                     self.caveats.add(caveat.format(setting=on[kind]))
-            if r is not None:
-                # What exact clipping would have cost at the same sigma, q and steps.
-                self.exact_clipping_accountant.step(noise_multiplier=sigma,
-                                                    sampling_probability=q, count=count)
 
     def track(self, optimizer) -> None:
         """From now on this budget drains ``optimizer``'s ledger, also after the optimizer
