@@ -178,6 +178,58 @@ def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy):
     assert model.accountant.steps == 3
 
 
+class _SharedLstm(keras.Model):
+    """``_shared_lstm`` subclassed: it declares its input shapes only by ``build``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = keras.layers.LSTM(4)
+
+    def build(self, input_shape):
+        self.lstm.build(input_shape[0])
+
+    def call(self, inputs):
+        return self.lstm(inputs[0]) - self.lstm(inputs[1])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vectorized"])
+def test_a_subclassed_models_dimension_built_none_is_unknown_in_every_trace(strategy):
+    # A subclassed model has no keras.Input; the shape given to model.build declares its
+    # dimensions. Built with the length None, the relaxed trace runs (it was refused, a
+    # refusal that follows padded-to-longest data) and gives the first trace's sums.
+    keras.utils.set_random_seed(0)
+    model = _SharedLstm()
+    model.build([(None, None, _F), (None, None, _F)])
+    k, rk, bias = model.lstm.get_weights()
+    model.lstm.set_weights([k * 1e-9, rk, bias])
+    model = tf_dp.keras.make_private(model)
+    opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=0.0,
+                      norm_strategy=strategy)
+    model.compile(optimizer=opt, loss=_loss)
+    last_sums = _capture_sums(opt)
+    rng = np.random.default_rng(0)
+    xa, xb = _crafted(32, 30, rng)
+    xb[31] = xa[31] + 1.0
+    y = np.zeros((32, 1), np.float32)
+    model.train_on_batch([xa, xb], y)
+    first = last_sums()
+    longer = rng.normal(size=(32, 6, _F)).astype(np.float32)
+    model.train_on_batch([longer, longer + 1.0], y)
+    model.train_on_batch([xa, xb], y)
+    np.testing.assert_array_equal(last_sums(), first)
+    assert model.accountant.steps == 3
+    # Built by its first call instead, the model declares that call's sizes: refused.
+    keras.utils.set_random_seed(0)
+    called = _SharedLstm()
+    called([xa[:2], xb[:2]])
+    called = tf_dp.keras.make_private(called)
+    called.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=1.0,
+                                         norm_strategy=strategy), loss=_loss)
+    called.train_on_batch([xa, xb], y)
+    with pytest.raises(ValueError, match="non-batch"):
+        called.train_on_batch([longer, longer + 1.0], y)
+
+
 def test_a_refusal_names_the_tensor_and_a_change_of_rank():
     # Session 24 audit: labels of rank 2 in one call and rank 1 in the next were refused
     # with a message about known and unknown dimensions.
@@ -252,6 +304,14 @@ def test_which_dimensions_are_declared_unknown():
             return self.dense(x)
 
     assert declared(Subclassed(), tf.zeros([4, 3]), tf.zeros([4, 2])) == [None, (True,), None]
+    built = _SharedLstm()
+    built.build([(None, None, 3), (None, 4, 3)])  # declared by build: a list of shapes
+    pair = [tf.zeros([4, 6, 3]), tf.zeros([4, 4, 3])]
+    assert declared(built, pair, tf.zeros([4, 1]))[:2] == [(True, False), (False, False)]
+    assert declared(built, pair[0], tf.zeros([4, 1]))[0] is None  # nests unlike the build
+    single = Subclassed()
+    single.build((None, None, 3))
+    assert declared(single, tf.zeros([4, 6, 3]), tf.zeros([4, 2]))[0] == (True, False)
     # sparse labels (B, 1) against an output (B, 3): Keras squeezes the static 1
     classes = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 1]))[1] == (False,)

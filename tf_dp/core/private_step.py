@@ -481,7 +481,7 @@ def _check_one_kind_of_trace(model, structure):
             f"{_kind_difference(first, kind)}. The same batch rounds differently in the two "
             "kinds of graph, which would let one example move the clipped sum by more than "
             "l2_norm_clip. Declare the dimensions that vary None in the model's keras.Input "
-            "(tf_dp then leaves them unknown in every step), or give every batch one shape "
+            "(a subclassed model: in model.build's shape, before the first step; tf_dp then leaves them unknown in every step), or give every batch one shape "
             "after the batch dimension and one rank (pad sequences to one length), and use "
             "a new model for another input shape.")
 
@@ -506,11 +506,12 @@ def declared_unknown_dims(model, x, y, sample_weight=None):
     """Which dimensions ``dynamic_batch`` hides besides the batch: per dense tensor of
     ``(x, y, sample_weight)`` (flattened), a tuple of flags over its non-batch dimensions.
 
-    A dimension of ``x`` the model's ``keras.Input`` declares None, and every non-batch
-    dimension of the targets and sample weights (only the loss reads them): so every trace
-    leaves them unknown, whatever sizes the calls have and whatever Keras relaxes. None for
-    an input where the model declares nothing (a subclassed model, a Sequential model
-    without an Input) or the structures do not match. (Targets first took the output's
+    A dimension of ``x`` the model's ``keras.Input`` declares None (for a subclassed model:
+    the shape given to ``model.build``), and every non-batch dimension of the targets and
+    sample weights (only the loss reads them): so every trace leaves them unknown, whatever
+    sizes the calls have and whatever Keras relaxes. None for an input where the model
+    declares nothing (a Sequential model without an Input, a model built by its first
+    call) or the structures do not match. (Targets first took the output's
     declared None dimensions: targets of another rank, (B, T, 1) for an output (B, T), kept
     the refusal that followed padded-to-longest data, session 24 review.)"""
     flat_x, flat_y = tf.nest.flatten(x), tf.nest.flatten(y)
@@ -555,6 +556,8 @@ def _declared(model, struct_name, list_name, given):
             declared = getattr(model, list_name, None)
             if isinstance(declared, (list, tuple)) and len(declared) == 1:
                 declared = declared[0]
+        if declared is None and struct_name == "_inputs_struct":
+            declared = _built_input_shapes(model)
         # One input given or declared as a one-element list (keras.Model([i], out) called
         # with an array, or the reverse: session 24 review) is that input.
         if isinstance(declared, (list, tuple)) and len(declared) == 1 and not isinstance(
@@ -571,6 +574,47 @@ def _declared(model, struct_name, list_name, given):
     if not all(hasattr(d, "shape") for d in flat):
         return None
     return flat
+
+
+class _BuiltShape:
+    """A shape a model was built with, standing for a declared input (``.shape``)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _is_shape(value) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(
+        d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in value)
+
+
+def _built_input_shapes(model):
+    """The input shapes a model declares by its ``build``, for models without
+    ``keras.Input`` (a subclassed model): the one argument of ``model.build(shape)``
+    (``(None, None, 8)`` declares the length None), a shape or a dict, list or tuple of
+    shapes, as ``_BuiltShape`` leaves; None where the model was built otherwise (several
+    build arguments, or none recorded). A model built by its first call records that
+    call's sizes: nothing is declared None then, and the trace-kind refusal stays."""
+    shapes = model.__dict__.get("_build_shapes_dict")
+    if not isinstance(shapes, dict) or len(shapes) != 1:
+        return None
+    (value,) = shapes.values()
+
+    def leaves(v):
+        if isinstance(v, tf.TensorShape):
+            v = v.as_list() if v.rank is not None else None
+        if _is_shape(v):
+            return _BuiltShape(v)
+        if isinstance(v, dict):
+            return {k: leaves(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)) and v:
+            return type(v)(leaves(x) for x in v)
+        raise TypeError("not a shape")
+
+    out = leaves(value)
+    if isinstance(out, (list, tuple)) and len(out) == 1:
+        out = out[0]
+    return out
 
 
 def _same_nest(declared, given) -> bool:
