@@ -100,6 +100,42 @@ def test_grapplers_mixed_precision_rewrite_is_refused(option):
     assert model.privacy_report()["steps"] == 4
 
 
+@pytest.mark.parametrize("route", ["compat.v1", "graph_rewrite"])
+def test_a_mixed_precision_rewrite_through_another_route_voids_the_steps(route):
+    # Session 25 audit: tf.compat.v1.config.optimizer.set_experimental_options (a separate
+    # function from tf.config.optimizer's, which tf_dp wrapped) turned the bfloat16 rewrite
+    # on for a custom loop's steps and off before the report: per-example norms moved by
+    # 0.95 %, and the report held. tf_dp now records it in TensorFlow's eager context, where
+    # every route stores it (also the v1 mixed precision graph rewrite).
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    x, y = _batch()
+    opt = model.optimizer
+
+    @tf.function
+    def loop_step(a, b):
+        out = clipped_sum(model, a, b, None, LOSS, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    loop_step(x, y)
+    assert model.privacy_report()["guarantee_holds"]
+    options = tf.compat.v1.config.optimizer
+    if route == "compat.v1":
+        options.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": True})
+    else:
+        from tensorflow.python.framework import config  # noqa: PLC0415
+        # what tf.compat.v1.mixed_precision.enable_mixed_precision_graph_rewrite sets
+        config.set_optimizer_experimental_options({"auto_mixed_precision": True})
+    try:
+        loop_step(x, y)
+    finally:
+        options.set_experimental_options({"auto_mixed_precision_onednn_bfloat16": False,
+                                          "auto_mixed_precision": False})
+    report = model.privacy_report()
+    assert report["steps"] == 2 and not report["guarantee_holds"]
+    assert any(c.startswith("MIXED_PRECISION_REWRITE") for c in report["caveats"])
+
+
 @pytest.mark.parametrize("setting", [None, "", "STRICT", "strict"])
 def test_exact_float32_math_is_accepted(monkeypatch, setting):
     if setting is not None:

@@ -140,22 +140,32 @@ def test_flags_unset_before_tf_dp_is_imported_are_read_from_tensorflow():
     assert "REFUSED True 0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def test_auto_clustering_on_and_off_again_between_two_reads_voids_the_steps(monkeypatch):
+_SET_JIT = {"tf.config": lambda: tf.config.optimizer.set_jit,
+            "compat.v1": lambda: tf.compat.v1.config.optimizer.set_jit,
+            "compat.v2": lambda: tf.compat.v2.config.optimizer.set_jit}
+
+
+@pytest.mark.parametrize("route", sorted(_SET_JIT))
+def test_auto_clustering_on_and_off_again_between_two_reads_voids_the_steps(monkeypatch,
+                                                                             route):
     # Session 24 review: set_jit on for three steps of a custom loop and off before the
-    # report left no caveat (7.31 C with TensorFlow's global jit flag). tf_dp's wrapper of
-    # set_jit records when it was on; steps read after that carry the caveat, and a later
-    # read of steps run with it off does not.
+    # report left no caveat (7.31 C with TensorFlow's global jit flag). tf_dp records when
+    # it was on; steps read after that carry the caveat, and a later read of steps run with
+    # it off does not. Session 25 audit: the tf.compat aliases of set_jit are separate
+    # functions, which tf_dp's wrapper of tf.config.optimizer.set_jit missed (no caveat);
+    # tf_dp now records it where every route stores it, TensorFlow's eager context.
     monkeypatch.delenv("TF_XLA_FLAGS", raising=False)
     model = _model()
     loop_step = _custom_loop_step(model)
     x, y = _batch()
     loop_step(x, y)
     assert model.privacy_report()["guarantee_holds"]
-    tf.config.optimizer.set_jit("autoclustering")
+    set_jit = _SET_JIT[route]()
+    set_jit("autoclustering")
     try:
         loop_step(x, y)
     finally:
-        tf.config.optimizer.set_jit(False)
+        set_jit(False)
     report = model.privacy_report()
     assert report["steps"] == 2 and not report["guarantee_holds"]
     assert any(c.startswith("XLA_AUTO_CLUSTERING") for c in report["caveats"])

@@ -254,28 +254,37 @@ def settings_on_since(start) -> dict:
 
 
 def _install_setting_latches():
-    """Wraps ``tf.config.optimizer.set_jit`` and ``set_experimental_options`` so that
-    tf_dp sees every time they turn auto-clustering or a mixed precision rewrite on or off,
-    also between two reads of a custom loop's steps (session 24 review: turned on for three
-    steps and off before the report, 7.31 C with no caveat). The wrapped functions behave as
-    TensorFlow's."""
-    module = tf.config.optimizer
-    for name, kind, setting in (
-            ("set_jit", AUTO_CLUSTERING, xla_auto_clustering_setting),
-            ("set_experimental_options", MIXED_PRECISION_REWRITE,
-             mixed_precision_rewrite_setting)):
-        original = getattr(module, name, None)
-        if original is None or getattr(original, "_tf_dp_latch", False):
-            continue
+    """Wraps TensorFlow's eager context where ``set_jit`` and ``set_experimental_options``
+    store their values (the ``optimizer_jit`` setter, ``set_optimizer_experimental_options``),
+    so that tf_dp sees every time auto-clustering or a mixed precision rewrite is turned on
+    or off, also between two reads of a custom loop's steps (session 24 review: turned on
+    for three steps and off before the report, 7.31 C with no caveat). Every public route
+    ends there: ``tf.config.optimizer``, its ``tf.compat.v1`` and ``tf.compat.v2`` aliases
+    (separate module objects, which a wrapper on ``tf.config.optimizer`` missed: session 25
+    audit) and ``tf.compat.v1.mixed_precision.enable_mixed_precision_graph_rewrite``. The
+    wrapped methods behave as TensorFlow's."""
+    from tensorflow.python.eager import context  # noqa: PLC0415
 
-        def wrapper(*args, _original=original, _kind=kind, _setting=setting, **kwargs):
-            out = _original(*args, **kwargs)
-            _note_setting(_kind, _setting())
+    cls = context.Context
+    prop = cls.__dict__.get("optimizer_jit")
+    if isinstance(prop, property) and prop.fset is not None and not getattr(
+            prop.fset, "_tf_dp_latch", False):
+        def set_jit(self, enabled, _original=prop.fset):
+            _original(self, enabled)
+            _note_setting(AUTO_CLUSTERING, xla_auto_clustering_setting())
+
+        set_jit._tf_dp_latch = True
+        setattr(cls, "optimizer_jit", property(prop.fget, set_jit, prop.fdel, prop.__doc__))
+    original = cls.__dict__.get("set_optimizer_experimental_options")
+    if original is not None and not getattr(original, "_tf_dp_latch", False):
+        def set_options(self, options, _original=original):
+            out = _original(self, options)
+            _note_setting(MIXED_PRECISION_REWRITE, mixed_precision_rewrite_setting())
             return out
 
-        functools.update_wrapper(wrapper, original)
-        wrapper._tf_dp_latch = True
-        setattr(module, name, wrapper)
+        functools.update_wrapper(set_options, original)
+        set_options._tf_dp_latch = True
+        setattr(cls, "set_optimizer_experimental_options", set_options)
 
 
 _install_setting_latches()
