@@ -147,15 +147,18 @@ def _capture_sums(opt):
     return lambda: np.concatenate([v.numpy().ravel() for v in sums["vars"]])
 
 
-@pytest.mark.parametrize("strategy", ["auto", "vectorized", "ghost"])
-def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy):
+@pytest.mark.parametrize("strategy,feed", [("auto", "list"), ("vectorized", "list"),
+                                           ("ghost", "list"), ("auto", "dict")])
+def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy, feed):
     # Session 24 audit: the refusal above depended on the call shapes, which follow the
     # data where batches are padded to their longest sequence: a batch holding a longer
     # sequence stopped training (5 of 5 runs with it, 0 of 5 without). A dimension the
     # model declares None is now hidden in every trace: the relaxed trace runs, and the same
     # batch gives bit-identical sums in the first (static) trace and the relaxed one.
+    # Session 25 audit: inputs declared as a list and fed as a dict by the Inputs' names
+    # (Keras pairs them by name) hid nothing, and the refusal came back.
     keras.utils.set_random_seed(0)
-    a, b = keras.Input((None, _F)), keras.Input((None, _F))
+    a, b = keras.Input((None, _F), name="a"), keras.Input((None, _F), name="b")
     lstm = keras.layers.LSTM(4)
     model = keras.Model([a, b], keras.layers.Subtract()([lstm(a), lstm(b)]))
     k, rk, bias = lstm.get_weights()
@@ -169,11 +172,12 @@ def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy):
     xa, xb = _crafted(32, 30, rng)
     xb[31] = xa[31] + 1.0
     y = np.zeros((32, 1), np.float32)
-    model.train_on_batch([xa, xb], y)  # Keras' first trace: every dimension static
+    fed = (lambda u, v: [u, v]) if feed == "list" else (lambda u, v: {"b": v, "a": u})
+    model.train_on_batch(fed(xa, xb), y)  # Keras' first trace: every dimension static
     first = last_sums()
     longer = rng.normal(size=(32, 6, _F)).astype(np.float32)
-    model.train_on_batch([longer, longer + 1.0], y)  # relaxed to (None, None, 3): runs
-    model.train_on_batch([xa, xb], y)  # the relaxed trace
+    model.train_on_batch(fed(longer, longer + 1.0), y)  # relaxed to (None, None, 3): runs
+    model.train_on_batch(fed(xa, xb), y)  # the relaxed trace
     np.testing.assert_array_equal(last_sums(), first)
     assert model.accountant.steps == 3
 
@@ -286,8 +290,16 @@ def test_which_dimensions_are_declared_unknown():
     # targets: every non-batch dimension (only the loss reads them)
     assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (True,),
                                                         None]
-    # a list for dict inputs: its order is Keras' to decide, nothing is hidden
-    assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [None, None]
+    # a list for dict inputs: Keras pairs it with the dict's sorted keys (session 25 audit)
+    assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [
+        (True, False), (False,)]
+    assert declared(model, [given["a"]], tf.zeros([4, 2]))[0] is None  # does not pair
+    # a dict for a list of Inputs: by their names, other keys unread (session 25 audit)
+    a, b = keras.Input((None, 3), name="a"), keras.Input((5,), name="b")
+    listed = keras.Model([a, b], keras.layers.Concatenate()([keras.layers.LSTM(2)(a), b]))
+    fed = {"b": tf.zeros([4, 5]), "a": tf.zeros([4, 6, 3]), "c": tf.zeros([4, 6])}
+    assert declared(listed, fed, tf.zeros([4, 2]))[:3] == [(True, False), (False,), None]
+    assert declared(listed, {"a": fed["a"]}, tf.zeros([4, 2]))[0] is None  # "b" missing
     # one input declared as a one-element list and given as an array (session 24 review)
     single = keras.Input((None, 3))
     listed = keras.Model([single], keras.layers.LSTM(2)(single))

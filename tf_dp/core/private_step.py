@@ -575,14 +575,43 @@ def _declared(model, struct_name, list_name, given):
         if isinstance(given, (list, tuple)) and len(given) == 1 and not isinstance(
                 declared, (list, tuple, dict)):
             given = given[0]
-        if declared is None or not _same_nest(declared, given):
+        if declared is None:
             return None
+        if not _same_nest(declared, given):
+            return _paired_as_keras_does(declared, given)
     except (AttributeError, ValueError, TypeError):
         return None
     flat = tf.nest.flatten(declared)
     if not all(hasattr(d, "shape") for d in flat):
         return None
     return flat
+
+
+def _paired_as_keras_does(declared, given):
+    """Declared inputs for given ones nested otherwise, paired as Keras' functional models
+    pair them (``Functional._standardize_inputs``): a dict given for inputs declared as a
+    list (or as one input) by the Inputs' names, its other keys unread; a list or tuple
+    given for inputs declared as a dict in the dict's flattened (sorted-key) order. A list
+    aligned with ``tf.nest.flatten(given)``, None where the model reads nothing; None when
+    they do not pair (session 25 audit: a list of Inputs fed a dict by their names hid
+    nothing, and the refusal followed padded-to-longest data)."""
+    def leaves(values):
+        return all(not isinstance(v, (list, tuple, dict)) for v in values)
+
+    if isinstance(given, dict) and not isinstance(declared, dict):
+        inputs = list(declared) if isinstance(declared, (list, tuple)) else [declared]
+        if not leaves(inputs) or not leaves(given.values()):
+            return None
+        by_name = {getattr(d, "name", None): d for d in inputs}
+        if None in by_name or len(by_name) != len(inputs) or not set(by_name) <= set(given):
+            return None
+        return [by_name.get(key) for key in sorted(given)]
+    if isinstance(declared, dict) and isinstance(given, (list, tuple)):
+        flat = tf.nest.flatten(declared)
+        if (list(declared) == sorted(declared) and len(flat) == len(given)
+                and leaves(given) and leaves(declared.values())):
+            return flat
+    return None
 
 
 class _BuiltShape:
