@@ -464,5 +464,39 @@ def test_a_custom_loop_with_its_sums_under_xla_and_its_update_outside_is_reporte
                for c in report["caveats"])
 
 
+def test_sums_under_xla_are_reported_for_an_update_traced_before_them():
+    # Session 25 audit: the update function traced in a warm-up step (its sums outside XLA)
+    # was never traced again, so the marking of its variables by sums traced under XLA
+    # later was not seen (1.33 C, no caveat). The budget now checks at every read. A plain
+    # Keras model tracked by a PrivacyBudget: the documented custom-loop route.
+    import tf_dp  # noqa: PLC0415
+    from tf_dp.keras.budget import PrivacyBudget  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    opt = tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
+    opt.build(model.trainable_variables)
+    budget = PrivacyBudget(delta=1e-5)
+    budget.track(opt)
+    loss_fn = tf_dp.core.build_per_example_loss("mse")
+
+    def sums(x, y):
+        return clipped_sum(model, x, y, None, loss_fn, 1.0).grads
+
+    @tf.function
+    def update(grads):
+        opt.apply_private(grads, model.trainable_variables, 8.0)
+
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    update(tf.function(sums)(x, y))  # warm-up: the update is traced here, once
+    budget.drain(opt)
+    assert budget.accountant.steps == 1 and not budget.caveats
+    update(tf.function(sums, jit_compile=True)(x, y))
+    budget.drain(opt)
+    assert budget.accountant.steps == 2
+    assert any(c.startswith("XLA_BATCH_SHAPES: tf_dp.core.clipped_sum traced under XLA")
+               for c in budget.caveats)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

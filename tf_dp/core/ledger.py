@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
@@ -35,6 +36,8 @@ class StepLedger:
         self._slots: List[Mechanism] = []
         #: slot -> caveats its steps carry (``note``), given to the budget that drains them
         self._notes = {}
+        #: slot -> {id: weak reference} of the variables its steps update (``applies_to``)
+        self._variables = {}
         self._lock = threading.Lock()
         with tf.init_scope():
             self._counts = tf.Variable(tf.zeros([MAX_MECHANISMS], tf.int64), trainable=False,
@@ -60,6 +63,23 @@ class StepLedger:
             notes = self._notes.setdefault(slot, [])
             if caveat not in notes:
                 notes.append(caveat)
+
+    def applies_to(self, mechanism: Mechanism, variables) -> None:
+        """The steps of ``mechanism`` update ``variables`` (trace time): a budget checks at
+        every read what was done to them since (``variables_of``)."""
+        slot = self.slot(mechanism)
+        with self._lock:
+            mine = self._variables.setdefault(slot, {})
+            for v in variables:
+                mine[id(v)] = weakref.ref(v)
+
+    def variables_of(self, mechanism: Mechanism) -> list:
+        """The live variables ``applies_to`` gave ``mechanism``'s steps."""
+        with self._lock:
+            if mechanism not in self._slots:
+                return []
+            refs = self._variables.get(self._slots.index(mechanism), {}).values()
+            return [v for v in (ref() for ref in refs) if v is not None]
 
     def caveats_of(self, mechanism: Mechanism) -> Tuple[str, ...]:
         """The caveats ``note`` gave ``mechanism``'s steps (none: an empty tuple)."""

@@ -159,6 +159,12 @@ class PrivacyBudget:
             self.accountant.step(noise_multiplier=sigma, sampling_probability=q,
                                  num_projections=r, count=count)
             self.caveats.update(ledger.caveats_of((sigma, q, r)))
+            if private_step.sums_formed_under_xla(ledger.variables_of((sigma, q, r))):
+                # Clipped sums of these variables traced under XLA outside tf_dp's step,
+                # whatever function applied them and whenever it was traced (session 25
+                # audit: an apply function traced in a warm-up step never saw the marking).
+                self.caveats.add(XLA_CUSTOM_SUMS_CAVEAT.format(
+                    setting=private_step.XLA_CUSTOM_SUMS_DETAIL))
             if r is not None:
                 # What exact clipping would have cost at the same sigma, q and steps.
                 self.exact_clipping_accountant.step(noise_multiplier=sigma,

@@ -420,6 +420,7 @@ class DPOptimizerMixin:
             released = [tf.cast(g, tf.float64) / scale for g in grads]
             snr = gradient_snr_of(gradient_snr, clipped_sums, noise, masks, sigma, clip,
                                   ctx, released=released)
+        sum_variables = list(variables)
         if carrier is not None:
             grads, variables = carrier.to_trainable(grads, variables)
         if extra_gradients:
@@ -441,13 +442,16 @@ class DPOptimizerMixin:
             for q in qs:
                 if q < 1.0:
                     self._dp_ledger.note(self.mechanism(q), _DECLARED_Q_CAVEAT.format(q=q))
-                if _internals.compiling_with_xla() or private_step.sums_formed_under_xla(
-                        variables):
+                if _internals.compiling_with_xla():
                     # tf_dp's own step notes this where its batches' shapes follow the data
                     # (session 24 audit: a custom loop under jit_compile=True had no caveat
-                    # while one example moved the update by 1.33 C; the review: its sums
-                    # under XLA and apply_private in another function, neither).
+                    # while one example moved the update by 1.33 C).
                     self._dp_ledger.note(self.mechanism(q), _XLA_CUSTOM_LOOP_CAVEAT)
+        for q in qs:
+            # Sums traced under XLA in another function (session 24 review) are checked when
+            # the steps are read, not here: this function may have been traced before them
+            # (session 25 audit: a warm-up step first, then 1.33 C with no caveat).
+            self._dp_ledger.applies_to(self.mechanism(q), [*sum_variables, *variables])
         with tf.control_dependencies(grads):
             if phase is None:
                 recorded = self._dp_ledger.record(self.mechanism(qs[0]), count=first_on_worker)
