@@ -199,5 +199,49 @@ def test_auto_clustering_turned_on_after_the_trace(monkeypatch):
     assert any(c.startswith("XLA_AUTO_CLUSTERING") for c in report["caveats"])
 
 
+def test_a_private_step_inside_a_jit_scope_is_refused():
+    # Session 25 audit: tf.xla.experimental.jit_scope() marks the ops made in it for XLA,
+    # and TensorFlow compiled the clipped sums' norms, products and sums in 19 clusters on
+    # this CPU, with no flag: no refusal, no caveat. Refused while tracing, before any step.
+    model = _model()
+    x, y = _batch()
+    model.train_on_batch(x, y)
+    opt = model.optimizer
+    loss_fn = tf_dp.core.build_per_example_loss("mse")
+
+    @tf.function
+    def sums_in_scope(a, b):
+        with tf.xla.experimental.jit_scope():
+            return tf_dp.core.clipped_sum(model, a, b, None, loss_fn, 1.0).grads
+
+    @tf.function
+    def update_in_scope(a, b):
+        grads = tf_dp.core.clipped_sum(model, a, b, None, loss_fn, 1.0).grads
+        with tf.xla.experimental.jit_scope():
+            opt.apply_private(grads, model.trainable_variables, 8.0)
+
+    @tf.function
+    def train_step_in_scope(a, b):
+        with tf.xla.experimental.jit_scope():
+            return model.train_step((a, b))
+
+    for fn, where in ((sums_in_scope, "clipped_sum"), (update_in_scope, "apply_private"),
+                      (train_step_in_scope, "clipped_sum")):
+        with pytest.raises(ValueError, match=f"{where} is traced inside "
+                                             r"tf.xla.experimental.jit_scope\(\)"):
+            fn(x, y)
+    assert model.accountant.steps == 1 and int(opt.iterations) == 1
+
+    @tf.function
+    def outside(a, b):  # the scope closed before the step: runs
+        with tf.xla.experimental.jit_scope():
+            a = a * 1.0
+        grads = tf_dp.core.clipped_sum(model, a, b, None, loss_fn, 1.0).grads
+        opt.apply_private(grads, model.trainable_variables, 8.0)
+
+    outside(x, y)
+    assert model.privacy_report()["steps"] == 2
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

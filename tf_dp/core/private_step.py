@@ -339,6 +339,32 @@ def sums_formed_under_xla(variables) -> bool:
         return any(_XLA_SUM_VARIABLES.get(id(v), lambda: None)() is v for v in variables)
 
 
+def check_no_jit_scope(where="a private step"):
+    """Refuses ``where`` traced inside ``tf.xla.experimental.jit_scope()``.
+
+    The scope marks the ops created in it for XLA compilation (``_XlaCompile``), and
+    TensorFlow compiles them in clusters on this CPU with no flag or setting: tf_dp sees
+    neither ``jit_compile`` nor auto-clustering, so neither pads the batches to one shape
+    nor reports ``XLA_BATCH_SHAPES``, while XLA's kernels round a row differently for
+    different batch sizes (session 25 audit: the clipped sums' norms, products and sums
+    compiled in 19 clusters, no refusal, no caveat). ``compile(jit_compile=True)`` is the
+    supported route."""
+    from tensorflow.python.framework import ops  # noqa: PLC0415
+
+    if tf.executing_eagerly():
+        return
+    scope = getattr(ops.get_default_graph(), "_attr_scope_map", None) or {}
+    marked = scope.get("_XlaCompile")
+    if marked is not None and getattr(marked, "b", False):
+        raise ValueError(
+            f"tf_dp: {where} is traced inside tf.xla.experimental.jit_scope(), which has "
+            "TensorFlow compile its ops with XLA in clusters tf_dp cannot see: XLA's kernels "
+            "round an example's terms differently for different batch sizes, so one example "
+            "could move the update by more than l2_norm_clip, and tf_dp would neither pad "
+            "the batches to one shape nor report it. Take the private step out of the "
+            "jit_scope; for XLA, use model.compile(jit_compile=True).")
+
+
 def check_no_xla_auto_clustering():
     """Refuses a private step while XLA auto-clustering is on.
 
@@ -432,6 +458,7 @@ def clipped_sum(model, x, y, sample_weight, per_example_loss, l2_norm_clip,
     strategy = norm_strategies.get(norm_strategy, num_projections)
     check_exact_float_arithmetic()
     check_no_xla_auto_clustering()
+    check_no_jit_scope("tf_dp.core.clipped_sum")
     check_no_cross_example_layers(model)
     variables = list(model.trainable_variables if variables is None else variables)
     _note_xla_outside_own_step(model, variables)

@@ -376,6 +376,7 @@ class DPOptimizerMixin:
             if not 0 < q <= 1:
                 raise ValueError(f"`sampling_probability` must be in (0, 1], got "
                                  f"{sampling_probability!r}.")
+        private_step.check_no_jit_scope("apply_private")
         ctx = tf.distribute.get_replica_context()
         replica_id = ctx.replica_id_in_sync_group if ctx is not None else 0
         # Keras sums the replicas' gradients: only the first replica adds noise.
