@@ -287,9 +287,11 @@ def test_which_dimensions_are_declared_unknown():
     joined = keras.layers.Concatenate()([keras.layers.LSTM(2)(inputs["a"]), inputs["b"]])
     model = keras.Model(inputs, keras.layers.Dense(2)(joined))
     given = {"a": tf.zeros([4, 6, 3]), "b": tf.zeros([4, 7])}
-    # targets: every non-batch dimension (only the loss reads them)
-    assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (True,),
+    # targets: every non-batch dimension (only the loss reads them) but those the output of
+    # the same rank declares static (session 25 audit: losses read y_true.shape[-1])
+    assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (False,),
                                                         None]
+    assert declared(model, given, tf.zeros([4, 2, 1]))[2] == (True, True)  # another rank
     # a list for dict inputs: Keras pairs it with the dict's sorted keys (session 25 audit)
     assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [
         (True, False), (False,)]
@@ -327,7 +329,32 @@ def test_which_dimensions_are_declared_unknown():
     # sparse labels (B, 1) against an output (B, 3): Keras squeezes the static 1
     classes = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 1]))[1] == (False,)
-    assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 3]))[1] == (True,)
+    assert declared(classes, tf.zeros([4, 4]), tf.zeros([4, 3]))[1] == (False,)
+    assert declared(Subclassed(), tf.zeros([4, 4]), tf.zeros([4, 3]))[1] == (True,)
+
+
+def test_a_loss_may_read_the_static_size_the_output_declares():
+    # Session 25 audit: with every target dimension hidden, losses reading
+    # y_true.shape[-1] (a class count, a reshape) failed with a TypeError; they ran before
+    # session 24 and run in plain Keras.
+    def per_class(y_true, y_pred):
+        return tf.reduce_sum(tf.square(y_true - y_pred), -1) / float(y_true.shape[-1])
+
+    def reshaped(y_true, y_pred):
+        return tf.reduce_mean(tf.square(tf.reshape(y_true, [-1, y_true.shape[-1]]) - y_pred),
+                              -1)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype(np.float32)
+    y = keras.utils.to_categorical(rng.integers(0, 4, 16), 4).astype(np.float32)
+    for loss in (per_class, reshaped):
+        keras.utils.set_random_seed(0)
+        model = tf_dp.keras.make_private(keras.Sequential([keras.Input((6,)),
+                                                           keras.layers.Dense(4)]))
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss)
+        model.train_on_batch(x, y)
+        model.train_on_batch(x[:10], y[:10])
+        assert model.accountant.steps == 2
 
 
 if __name__ == "__main__":

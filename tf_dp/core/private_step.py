@@ -543,8 +543,10 @@ def declared_unknown_dims(model, x, y, sample_weight=None):
     ``(x, y, sample_weight)`` (flattened), a tuple of flags over its non-batch dimensions.
 
     A dimension of ``x`` the model's ``keras.Input`` declares None (for a subclassed model:
-    the shape given to ``model.build``), and every non-batch dimension of the targets and
-    sample weights (only the loss reads them): so every trace leaves them unknown, whatever
+    the shape given to ``model.build``); every non-batch dimension of the targets but those
+    the output of the same rank declares static (only the loss reads them, and it fails on
+    a target that differs from the output there); every non-batch dimension of the sample
+    weights: so every trace leaves them unknown, whatever
     sizes the calls have and whatever Keras relaxes. None for an input where the model
     declares nothing (a Sequential model without an Input, a model built by its first
     call) or the structures do not match. (Targets first took the output's
@@ -558,8 +560,15 @@ def declared_unknown_dims(model, x, y, sample_weight=None):
     for k, t in enumerate(flat_x):
         out.append(_unknown_flags(t, None if inputs is None else inputs[k]))
     for k, t in enumerate(flat_y):
+        declared_output = None if outputs is None else outputs[k]
         flags = _all_but_batch(t)
-        if flags and _sparse_label_axis(t, None if outputs is None else outputs[k]):
+        if flags and declared_output is not None and len(
+                tuple(declared_output.shape)) == t.shape.rank:
+            # A dimension the output declares static stays known (a loss may read it:
+            # y_true.shape[-1], session 25 audit); a target that differs from it there
+            # fails the loss whatever tf_dp does.
+            flags = tuple(d is None for d in tuple(declared_output.shape)[1:])
+        if flags and _sparse_label_axis(t, declared_output):
             flags = flags[:-1] + (False,)  # Keras' sparse losses squeeze it by its static 1
         out.append(flags)
     out.extend(_all_but_batch(t) for t in flat_w)
