@@ -198,5 +198,51 @@ def test_a_fresh_process_without_the_variables_is_accepted():
     assert "ACCEPTED" in _run_fresh("TF_SET_ONEDNN_FPMATH_MODE", "never")
 
 
+def test_tensor_float_32_with_a_gpu_that_uses_it_is_refused(monkeypatch):
+    # Session 25 audit (not testable on this CPU-only machine, so the GPU is pretended):
+    # TensorFlow runs float32 products and convolutions in TF32 on Ampere and later GPUs by
+    # default, with 10-bit mantissas, outside every rounding bound of the clip. Refused at
+    # the trace and at every Keras train call while it is on with such a GPU; turned on
+    # between two reads of a custom loop's steps, it voids them.
+    config = tf.config.experimental
+    monkeypatch.setattr(private_step, "_tf32_capable_gpus",
+                        lambda: ("/physical_device:GPU:0 (compute capability 8.0)",))
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    opt = model.optimizer
+    x, y = _batch()
+    assert config.tensor_float_32_execution_enabled()  # TensorFlow's default
+    try:
+        with pytest.raises(ValueError, match="enable_tensor_float_32_execution"):
+            model.train_on_batch(x, y)
+        config.enable_tensor_float_32_execution(False)
+        model.train_on_batch(x, y)
+
+        @tf.function
+        def loop_step(a, b):
+            out = clipped_sum(model, a, b, None, LOSS, 1.0)
+            opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+        loop_step(x, y)
+        assert model.privacy_report()["guarantee_holds"]
+        tf.compat.v1.config.experimental.enable_tensor_float_32_execution(True)
+        with pytest.raises(ValueError, match="TensorFloat-32"):
+            model.train_on_batch(x, y)
+        loop_step(x, y)  # the traced step runs (TF32 applies when its kernels run)
+        config.enable_tensor_float_32_execution(False)
+        report = model.privacy_report()
+        assert report["steps"] == 3 and not report["guarantee_holds"]
+        assert any(c.startswith("TENSOR_FLOAT_32") for c in report["caveats"])
+    finally:
+        config.enable_tensor_float_32_execution(True)
+    # Without such a GPU (this machine), TF32 changes nothing and is accepted.
+    monkeypatch.setattr(private_step, "_tf32_capable_gpus", lambda: ())
+    private_step.settings_on_since(0.0)  # tf_dp sees it off (the pretended GPU is gone)
+    fresh = tf_dp.keras.make_private(_model())
+    fresh.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    fresh.train_on_batch(x, y)
+    assert fresh.privacy_report()["guarantee_holds"]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

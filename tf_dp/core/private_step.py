@@ -104,6 +104,35 @@ def mixed_precision_rewrite_setting() -> str:
     return ", ".join(f"{k}=True" for k in on)
 
 
+@functools.lru_cache(maxsize=1)
+def _tf32_capable_gpus() -> tuple:
+    """The visible GPUs whose float32 matrix products and convolutions TensorFloat-32 can
+    run (compute capability 8.0 and above, Ampere on; an unknown capability counts), as
+    descriptions. Physical devices do not change within a process: read once."""
+    out = []
+    for device in tf.config.list_physical_devices("GPU"):
+        try:
+            capability = tf.config.experimental.get_device_details(device).get(
+                "compute_capability")
+        except (ValueError, RuntimeError):  # pragma: no cover - no details
+            capability = None
+        if capability is None or tuple(capability) >= (8, 0):
+            out.append(f"{device.name} (compute capability "
+                       f"{'unknown' if capability is None else '%d.%d' % tuple(capability)})")
+    return tuple(out)
+
+
+def tensor_float_32_setting() -> str:
+    """How TensorFloat-32 reaches the private step ("" if it does not): TensorFlow's TF32
+    execution is on (its default) and a visible GPU can use it."""
+    from tensorflow.python.framework import config  # noqa: PLC0415
+
+    gpus = _tf32_capable_gpus()
+    if not gpus or not config.tensor_float_32_execution_enabled():
+        return ""
+    return f"TensorFloat-32 execution on {', '.join(gpus)}"
+
+
 def check_exact_float_arithmetic():
     """Refuses a private step when oneDNN may compute float32 in lower precision.
 
@@ -131,6 +160,15 @@ def check_exact_float_arithmetic():
             "by up to 12.6 % under it, session 24 audit). Turn it off "
             "(tf.config.optimizer.set_experimental_options({'<option>': False})); for mixed "
             "precision, use a Keras dtype policy, which tf_dp's bounds cover.")
+    tf32 = tensor_float_32_setting()
+    _note_setting(TENSOR_FLOAT_32, tf32)
+    if tf32:
+        raise ValueError(
+            f"{tf32} is on (TensorFlow's default): it runs float32 products and "
+            "convolutions with 10-bit mantissas, which breaks the rounding bounds that keep "
+            "every example's clipped contribution within the clipping norm (so the reported "
+            "epsilon would not hold). Turn it off before training: "
+            "tf.config.experimental.enable_tensor_float_32_execution(False).")
     for name in _REDUCED_PRECISION_MATH_VARIABLES:
         for when, value in _values_in_this_process(name):
             if _reduced_precision(value):
@@ -225,6 +263,7 @@ _SETTING_LOCK = threading.Lock()
 
 #: the kinds of ``_SETTING_INTERVALS`` (budget.py has a caveat for each)
 AUTO_CLUSTERING, MIXED_PRECISION_REWRITE = "auto_clustering", "mixed_precision_rewrite"
+TENSOR_FLOAT_32 = "tensor_float_32"
 
 
 def _note_setting(kind, detail):
@@ -244,6 +283,7 @@ def settings_on_since(start) -> dict:
     on now. Checks the current ones first."""
     _note_setting(AUTO_CLUSTERING, xla_auto_clustering_setting())
     _note_setting(MIXED_PRECISION_REWRITE, mixed_precision_rewrite_setting())
+    _note_setting(TENSOR_FLOAT_32, tensor_float_32_setting())
     with _SETTING_LOCK:
         out = {}
         for kind, intervals in _SETTING_INTERVALS.items():
@@ -285,6 +325,23 @@ def _install_setting_latches():
         functools.update_wrapper(set_options, original)
         set_options._tf_dp_latch = True
         setattr(cls, "set_optimizer_experimental_options", set_options)
+    # TensorFloat-32: every route (tf.config.experimental.enable_tensor_float_32_execution
+    # and its aliases) calls this module's enable.
+    from tensorflow.python.framework import config  # noqa: PLC0415
+
+    pywrap = getattr(config, "_pywrap_tensor_float_32_execution", None)
+    enable = getattr(pywrap, "enable", None)
+    if enable is not None and not getattr(enable, "_tf_dp_latch", False):
+        def enable_tf32(enabled, _original=enable):
+            out = _original(enabled)
+            _note_setting(TENSOR_FLOAT_32, tensor_float_32_setting())
+            return out
+
+        enable_tf32._tf_dp_latch = True
+        try:
+            pywrap.enable = enable_tf32
+        except (AttributeError, TypeError):  # pragma: no cover - a read-only module
+            pass
 
 
 _install_setting_latches()

@@ -22,7 +22,8 @@ from tf_dp.keras.privacy_callback import max_additional_steps
 
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
-           "XLA_BATCH_SHAPES", "XLA_AUTO_CLUSTERING", "MIXED_PRECISION_REWRITE", "UNCHECKED")
+           "XLA_BATCH_SHAPES", "XLA_AUTO_CLUSTERING", "MIXED_PRECISION_REWRITE",
+           "TENSOR_FLOAT_32", "UNCHECKED")
 
 #: the caveat of steps read after XLA auto-clustering was on (``_drain_ledger``)
 XLA_AUTO_CLUSTERING_CAVEAT = (
@@ -41,6 +42,14 @@ MIXED_PRECISION_REWRITE_CAVEAT = (
     "clipping norm. tf_dp refuses to trace a step under it; this one was turned on after. "
     "Turn it off, and use a Keras dtype policy for mixed precision.")
 
+#: the caveat of steps read after TensorFloat-32 was on with a GPU that uses it
+TENSOR_FLOAT_32_CAVEAT = (
+    "TENSOR_FLOAT_32: private steps were read after {setting} was on. It runs float32 "
+    "products and convolutions with 10-bit mantissas, outside the rounding bounds that keep "
+    "every example's contribution within the clipping norm. tf_dp refuses to trace or run a "
+    "Keras step under it; this one was turned on after. Turn it off: "
+    "tf.config.experimental.enable_tensor_float_32_execution(False).")
+
 #: the caveat of steps read after sums were traced under XLA outside tf_dp's train step
 XLA_CUSTOM_SUMS_CAVEAT = (
     "XLA_BATCH_SHAPES: {setting} (a custom loop under jit_compile=True), whose batch shapes "
@@ -50,7 +59,8 @@ XLA_CUSTOM_SUMS_CAVEAT = (
 
 #: settings_on_since's kinds -> the caveat of the steps read after they were on
 _SETTING_CAVEATS = {private_step.AUTO_CLUSTERING: XLA_AUTO_CLUSTERING_CAVEAT,
-                    private_step.MIXED_PRECISION_REWRITE: MIXED_PRECISION_REWRITE_CAVEAT}
+                    private_step.MIXED_PRECISION_REWRITE: MIXED_PRECISION_REWRITE_CAVEAT,
+                    private_step.TENSOR_FLOAT_32: TENSOR_FLOAT_32_CAVEAT}
 
 
 #: which budget drains each optimizer's step ledger (one budget per ledger: a ledger drained
