@@ -234,6 +234,68 @@ def test_a_subclassed_models_dimension_built_none_is_unknown_in_every_trace(stra
         called.train_on_batch([longer, longer + 1.0], y)
 
 
+def _masked_mse(y_true, y_pred):
+    mask = tf.cast(y_true >= 0, y_pred.dtype)
+    return tf.reduce_sum(mask * tf.square(y_true - y_pred), -1) / tf.maximum(
+        tf.reduce_sum(mask, -1), 1.0)
+
+
+def _layout(case):
+    """A model declaring its varying length None in one of Keras' other input layouts, and
+    a batch maker (length T) feeding it as Keras allows (session 25 review)."""
+    keras.utils.set_random_seed(0)
+    lstm, dense, loss = keras.layers.LSTM(4), keras.layers.Dense(1), "mse"
+    a, b = keras.Input((None, _F), name="a"), keras.Input((None, _F), name="b")
+    both = lambda: keras.layers.Concatenate()([lstm(a), lstm(b)])  # noqa: E731
+    rng = np.random.default_rng(0)
+
+    def seq(n, t):
+        return rng.normal(size=(n, t, _F)).astype(np.float32)
+
+    if case == "expand_rank":  # (B, T) fed to Input((None, 1)): Keras adds the axis
+        i = keras.Input((None, 1))
+        model, feed = keras.Model(i, dense(lstm(i))), lambda n, t: seq(n, t)[..., 0]
+    elif case == "squeeze_rank":  # (B, T, 1) fed to Input((None,)): Keras squeezes it
+        i = keras.Input((None,), dtype="int32")
+        model = keras.Model(i, dense(lstm(keras.layers.Embedding(10, _F)(i))))
+        feed = lambda n, t: rng.integers(0, 10, (n, t, 1)).astype(np.int32)  # noqa: E731
+    elif case == "dict_as_array":  # a one-input dict fed a bare array
+        model, feed = keras.Model({"a": a}, dense(lstm(a))), seq
+    elif case == "nested_dict_as_list":
+        model = keras.Model({"g": {"a": a, "b": b}}, dense(both()))
+        feed = lambda n, t: [seq(n, t), seq(n, t)]  # noqa: E731
+    elif case == "unread_key":  # a key Keras drops before the model
+        model = keras.Model([a, b], dense(both()))
+        feed = lambda n, t: {"a": seq(n, t), "b": seq(n, t),  # noqa: E731
+                             "mask": np.ones((n, t), np.float32)}
+    elif case == "subclassed_numpy_int":
+        model = _SharedLstm()
+        model.build([(None, None, np.int64(_F)), (None, None, np.int64(_F))])
+        feed = lambda n, t: [seq(n, t), seq(n, t)]  # noqa: E731
+    else:  # targets (B, K) padded to their longest against a (B, 1) output: broadcast
+        i = keras.Input((5, _F))
+        model, loss = keras.Model(i, dense(lstm(i))), _masked_mse if case == "masked" else "mse"
+        return model, loss, lambda n, t: (seq(n, 5), rng.uniform(size=(n, t)).astype(
+            np.float32))
+    return model, loss, lambda n, t: (feed(n, t), np.zeros((n, 1), np.float32))
+
+
+@pytest.mark.parametrize("case", ["expand_rank", "squeeze_rank", "dict_as_array",
+                                  "nested_dict_as_list", "unread_key", "subclassed_numpy_int",
+                                  "targets_masked", "targets_mse"])
+def test_no_refusal_follows_the_length_in_kerass_other_layouts(case):
+    # Session 25 review: in these layouts (all accepted by Keras) nothing was hidden, or a
+    # target's length was kept static against an output of 1 that losses broadcast, so a
+    # batch holding a longer sequence (T = 7) was refused and the others ran: the refusal
+    # told that it was sampled.
+    model, loss, batch = _layout(case.replace("targets_", ""))
+    model = tf_dp.keras.make_private(model)
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss=loss)
+    for t in (4, 4, 7, 4):
+        model.train_on_batch(*batch(16, t))
+    assert model.accountant.steps == 4
+
+
 def test_a_refusal_names_the_tensor_and_a_change_of_rank():
     # Session 24 audit: labels of rank 2 in one call and rank 1 in the next were refused
     # with a message about known and unknown dimensions.
@@ -292,6 +354,19 @@ def test_which_dimensions_are_declared_unknown():
     assert declared(model, given, tf.zeros([4, 2])) == [(True, False), (False,), (False,),
                                                         None]
     assert declared(model, given, tf.zeros([4, 2, 1]))[2] == (True, True)  # another rank
+    # Keras adjusts an input's rank by a trailing 1 (session 25 review)
+    ones = keras.Input((None, 1))
+    expand = keras.Model(ones, keras.layers.LSTM(2)(ones))
+    assert declared(expand, tf.zeros([4, 6]), tf.zeros([4, 2]))[0] == (True,)
+    tokens = keras.Input((None,), dtype="int32")
+    squeeze = keras.Model(tokens, keras.layers.Embedding(5, 2)(tokens))
+    assert declared(squeeze, tf.zeros([4, 6, 1], tf.int32), tf.zeros([4, 6, 2]))[0] == (
+        True, False)
+    # a target dimension is known where the output declares that size (> 1), else hidden
+    assert declared(expand, tf.zeros([4, 6]), tf.zeros([4, 2]))[1] == (False,)
+    assert declared(expand, tf.zeros([4, 6]), tf.zeros([4, 7]))[1] == (True,)
+    single = keras.Model(ones, keras.layers.Dense(1)(keras.layers.LSTM(2)(ones)))
+    assert declared(single, tf.zeros([4, 6]), tf.zeros([4, 1]))[1] == (True,)  # broadcasts
     # a list for dict inputs: Keras pairs it with the dict's sorted keys (session 25 audit)
     assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [
         (True, False), (False,)]
@@ -300,7 +375,8 @@ def test_which_dimensions_are_declared_unknown():
     a, b = keras.Input((None, 3), name="a"), keras.Input((5,), name="b")
     listed = keras.Model([a, b], keras.layers.Concatenate()([keras.layers.LSTM(2)(a), b]))
     fed = {"b": tf.zeros([4, 5]), "a": tf.zeros([4, 6, 3]), "c": tf.zeros([4, 6])}
-    assert declared(listed, fed, tf.zeros([4, 2]))[:3] == [(True, False), (False,), None]
+    # (the unread key "c": every dimension hidden, session 25 review)
+    assert declared(listed, fed, tf.zeros([4, 2]))[:3] == [(True, False), (False,), (True,)]
     assert declared(listed, {"a": fed["a"]}, tf.zeros([4, 2]))[0] is None  # "b" missing
     # one input declared as a one-element list and given as an array (session 24 review)
     single = keras.Input((None, 3))
@@ -355,6 +431,17 @@ def test_a_loss_may_read_the_static_size_the_output_declares():
         model.train_on_batch(x, y)
         model.train_on_batch(x[:10], y[:10])
         assert model.accountant.steps == 2
+    # dict targets of a multi-output model: Keras pairs them by the output layers' names
+    # (they were paired by the tensors' names, and every dimension hidden; session 25)
+    keras.utils.set_random_seed(0)
+    i = keras.Input((6,))
+    model = keras.Model(i, [keras.layers.Dense(2, name="first")(i),
+                            keras.layers.Dense(4, name="second")(i)])
+    model = tf_dp.keras.make_private(model)
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss={"first": "mse", "second": per_class})
+    model.train_on_batch(x, {"first": y[:, :2], "second": y})
+    assert model.accountant.steps == 1
 
 
 if __name__ == "__main__":

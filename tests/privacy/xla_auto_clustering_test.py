@@ -221,11 +221,17 @@ def test_a_private_step_inside_a_jit_scope_is_refused():
             opt.apply_private(grads, model.trainable_variables, 8.0)
 
     @tf.function
+    def callable_scope(a, b):  # session 25 review: compile_ops as a callable passed
+        with tf.xla.experimental.jit_scope(compile_ops=lambda node_def: True):
+            return tf_dp.core.clipped_sum(model, a, b, None, loss_fn, 1.0).grads
+
+    @tf.function
     def train_step_in_scope(a, b):
         with tf.xla.experimental.jit_scope():
             return model.train_step((a, b))
 
     for fn, where in ((sums_in_scope, "clipped_sum"), (update_in_scope, "apply_private"),
+                      (callable_scope, "clipped_sum"),
                       (train_step_in_scope, "clipped_sum")):
         with pytest.raises(ValueError, match=f"{where} is traced inside "
                                              r"tf.xla.experimental.jit_scope\(\)"):

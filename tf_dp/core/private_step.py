@@ -14,6 +14,7 @@ the Keras train step (``tf_dp.keras.DPModel``) composes them.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import threading
 import time
@@ -293,6 +294,12 @@ def settings_on_since(start) -> dict:
         return out
 
 
+#: held around each wrapped setter's call and its note, so that the value noted is the one
+#: that call left: two threads setting on and off could otherwise note "off" twice and lose
+#: the window in between (session 25 review, reasoning only)
+_SETTERS_LOCK = threading.RLock()
+
+
 def _install_setting_latches():
     """Wraps TensorFlow's eager context where ``set_jit`` and ``set_experimental_options``
     store their values (the ``optimizer_jit`` setter, ``set_optimizer_experimental_options``),
@@ -310,16 +317,18 @@ def _install_setting_latches():
     if isinstance(prop, property) and prop.fset is not None and not getattr(
             prop.fset, "_tf_dp_latch", False):
         def set_jit(self, enabled, _original=prop.fset):
-            _original(self, enabled)
-            _note_setting(AUTO_CLUSTERING, xla_auto_clustering_setting())
+            with _SETTERS_LOCK:
+                _original(self, enabled)
+                _note_setting(AUTO_CLUSTERING, xla_auto_clustering_setting())
 
         set_jit._tf_dp_latch = True
         setattr(cls, "optimizer_jit", property(prop.fget, set_jit, prop.fdel, prop.__doc__))
     original = cls.__dict__.get("set_optimizer_experimental_options")
     if original is not None and not getattr(original, "_tf_dp_latch", False):
         def set_options(self, options, _original=original):
-            out = _original(self, options)
-            _note_setting(MIXED_PRECISION_REWRITE, mixed_precision_rewrite_setting())
+            with _SETTERS_LOCK:
+                out = _original(self, options)
+                _note_setting(MIXED_PRECISION_REWRITE, mixed_precision_rewrite_setting())
             return out
 
         functools.update_wrapper(set_options, original)
@@ -333,8 +342,9 @@ def _install_setting_latches():
     enable = getattr(pywrap, "enable", None)
     if enable is not None and not getattr(enable, "_tf_dp_latch", False):
         def enable_tf32(enabled, _original=enable):
-            out = _original(enabled)
-            _note_setting(TENSOR_FLOAT_32, tensor_float_32_setting())
+            with _SETTERS_LOCK:
+                out = _original(enabled)
+                _note_setting(TENSOR_FLOAT_32, tensor_float_32_setting())
             return out
 
         enable_tf32._tf_dp_latch = True
@@ -412,7 +422,9 @@ def check_no_jit_scope(where="a private step"):
         return
     scope = getattr(ops.get_default_graph(), "_attr_scope_map", None) or {}
     marked = scope.get("_XlaCompile")
-    if marked is not None and getattr(marked, "b", False):
+    # A bool AttrValue, or (jit_scope(compile_ops=<callable>)) a function TensorFlow calls
+    # per op: refused whatever it answers (session 25 review: a callable passed).
+    if marked is not None and (callable(marked) or getattr(marked, "b", False)):
         raise ValueError(
             f"tf_dp: {where} is traced inside tf.xla.experimental.jit_scope(), which has "
             "TensorFlow compile its ops with XLA in clusters tf_dp cannot see: XLA's kernels "
@@ -612,24 +624,38 @@ def declared_unknown_dims(model, x, y, sample_weight=None):
     flat_x, flat_y = tf.nest.flatten(x), tf.nest.flatten(y)
     flat_w = tf.nest.flatten(sample_weight)
     inputs = _declared(model, "_inputs_struct", "inputs", x)
-    outputs = _declared(model, "_outputs_struct", "outputs", y)
+    outputs = _declared(model, "_outputs_struct", "outputs", y,
+                        names=_output_names(model))
     out = []
     for k, t in enumerate(flat_x):
         out.append(_unknown_flags(t, None if inputs is None else inputs[k]))
     for k, t in enumerate(flat_y):
         declared_output = None if outputs is None else outputs[k]
         flags = _all_but_batch(t)
-        if flags and declared_output is not None and len(
-                tuple(declared_output.shape)) == t.shape.rank:
-            # A dimension the output declares static stays known (a loss may read it:
-            # y_true.shape[-1], session 25 audit); a target that differs from it there
-            # fails the loss whatever tf_dp does.
-            flags = tuple(d is None for d in tuple(declared_output.shape)[1:])
+        if (flags and declared_output is not None and declared_output is not _UNREAD
+                and len(tuple(declared_output.shape)) == t.shape.rank):
+            # A dimension the output declares static and larger than 1 stays known where the
+            # target has that size (a loss may read it: y_true.shape[-1], session 25
+            # audit): a target of another size there fails the loss whatever tf_dp does.
+            # Against a size of 1 losses broadcast (MSE of (B, K) targets and a (B, 1)
+            # output runs): hidden (session 25 review).
+            flags = tuple(not (d is not None and d > 1 and d == n)
+                          for d, n in zip(tuple(declared_output.shape)[1:], t.shape[1:]))
         if flags and _sparse_label_axis(t, declared_output):
             flags = flags[:-1] + (False,)  # Keras' sparse losses squeeze it by its static 1
         out.append(flags)
     out.extend(_all_but_batch(t) for t in flat_w)
     return out
+
+
+def _output_names(model):
+    """Keras' names of a model's outputs (its output layers'), by which it pairs dict
+    targets; None where it has none."""
+    try:
+        names = list(getattr(model, "output_names", None) or [])
+    except (AttributeError, ValueError, TypeError):
+        return None
+    return names or None
 
 
 def _all_but_batch(t):
@@ -650,8 +676,10 @@ def _sparse_label_axis(t, declared_output):
     return len(shape) == t.shape.rank and shape[-1] is not None and shape[-1] > 1
 
 
-def _declared(model, struct_name, list_name, given):
-    """The model's declared KerasTensors aligned with ``tf.nest.flatten(given)``, or None."""
+def _declared(model, struct_name, list_name, given, names=None):
+    """The model's declared KerasTensors aligned with ``tf.nest.flatten(given)`` (``_UNREAD``
+    for a tensor the model does not read), or None. ``names``: by which names Keras pairs a
+    dict with declared tensors (default: the tensors' own, as for inputs)."""
     try:
         declared = model.__dict__.get(struct_name)
         if declared is None:
@@ -671,7 +699,7 @@ def _declared(model, struct_name, list_name, given):
         if declared is None:
             return None
         if not _same_nest(declared, given):
-            return _paired_as_keras_does(declared, given)
+            return _paired_as_keras_does(declared, given, names)
     except (AttributeError, ValueError, TypeError):
         return None
     flat = tf.nest.flatten(declared)
@@ -680,29 +708,48 @@ def _declared(model, struct_name, list_name, given):
     return flat
 
 
-def _paired_as_keras_does(declared, given):
+class _Unread:
+    """A given tensor the model does not read (a dict key Keras drops): every non-batch
+    dimension is hidden, so its shapes can never change a trace's kind."""
+
+    def __repr__(self):
+        return "_UNREAD"
+
+
+_UNREAD = _Unread()
+
+
+def _paired_as_keras_does(declared, given, names=None):
     """Declared inputs for given ones nested otherwise, paired as Keras' functional models
     pair them (``Functional._standardize_inputs``): a dict given for inputs declared as a
     list (or as one input) by the Inputs' names, its other keys unread; a list or tuple
-    given for inputs declared as a dict in the dict's flattened (sorted-key) order. A list
-    aligned with ``tf.nest.flatten(given)``, None where the model reads nothing; None when
-    they do not pair (session 25 audit: a list of Inputs fed a dict by their names hid
+    given for inputs declared as a dict in the dict's flattened (sorted-key) order (any
+    nesting, a bare tensor for a one-input dict). ``names``: the declared tensors' names
+    (targets: ``model.output_names``). A list aligned with ``tf.nest.flatten(given)``,
+    ``_UNREAD`` where the model reads nothing; None when they do not pair (session 25 audit: a list of Inputs fed a dict by their names hid
     nothing, and the refusal followed padded-to-longest data)."""
     def leaves(values):
         return all(not isinstance(v, (list, tuple, dict)) for v in values)
 
     if isinstance(given, dict) and not isinstance(declared, dict):
-        inputs = list(declared) if isinstance(declared, (list, tuple)) else [declared]
-        if not leaves(inputs) or not leaves(given.values()):
+        tensors = list(declared) if isinstance(declared, (list, tuple)) else [declared]
+        if not leaves(tensors) or not leaves(given.values()):
             return None
-        by_name = {getattr(d, "name", None): d for d in inputs}
-        if None in by_name or len(by_name) != len(inputs) or not set(by_name) <= set(given):
+        if names is None:
+            names = [getattr(d, "name", None) for d in tensors]
+        if len(names) != len(tensors) or None in names or len(set(names)) != len(names):
             return None
-        return [by_name.get(key) for key in sorted(given)]
-    if isinstance(declared, dict) and isinstance(given, (list, tuple)):
+        by_name = dict(zip(names, tensors))
+        if not set(by_name) <= set(given):
+            return None
+        return [by_name.get(key, _UNREAD) for key in sorted(given)]
+    if isinstance(declared, dict) and not isinstance(given, dict):
+        # Keras flattens both (sorted keys at every level) once the top level's keys are
+        # in sorted order (it refuses them otherwise): nested dicts and a bare tensor for a
+        # one-input dict included.
         flat = tf.nest.flatten(declared)
-        if (list(declared) == sorted(declared) and len(flat) == len(given)
-                and leaves(given) and leaves(declared.values())):
+        if (list(declared) == sorted(declared)
+                and len(flat) == len(tf.nest.flatten(given))):
             return flat
     return None
 
@@ -711,12 +758,13 @@ class _BuiltShape:
     """A shape a model was built with, standing for a declared input (``.shape``)."""
 
     def __init__(self, shape):
-        self.shape = tuple(shape)
+        self.shape = tuple(None if d is None else int(d) for d in shape)
 
 
 def _is_shape(value) -> bool:
     return isinstance(value, (tuple, list)) and len(value) > 0 and all(
-        d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in value)
+        d is None or (isinstance(d, numbers.Integral) and not isinstance(d, bool))
+        for d in value)
 
 
 def _built_input_shapes(model):
@@ -765,13 +813,24 @@ def _same_nest(declared, given) -> bool:
 
 def _unknown_flags(t, declared):
     """Flags over ``t``'s non-batch dimensions: declared None in ``declared`` (a KerasTensor
-    of ``t``'s rank), or None."""
+    of ``t``'s rank, or of one more or one less where Keras adjusts the rank as it feeds
+    it), all of them for a tensor the model does not read (``_UNREAD``), or None."""
     if declared is None or not isinstance(t, tf.Tensor) or not t.shape.rank:
         return None
+    if declared is _UNREAD:
+        return _all_but_batch(t)
     shape = tuple(declared.shape)
-    if len(shape) != t.shape.rank:
-        return None
-    return tuple(d is None for d in shape[1:])
+    flags = tuple(d is None for d in shape[1:])
+    if len(shape) == t.shape.rank:
+        return flags
+    # Keras' functional models squeeze a trailing axis of 1 the Input lacks, and add one
+    # the Input declares (Functional._adjust_input_rank): (B, T) fed to Input((None, 1)),
+    # (B, T, 1) to Input((None,)) (session 25 review).
+    if t.shape.rank == len(shape) + 1 and t.shape[-1] == 1:
+        return flags + (False,)
+    if t.shape.rank == len(shape) - 1 and shape[-1] == 1:
+        return flags[:-1]
+    return None
 
 
 def dynamic_batch(structure, hide=None):
