@@ -443,12 +443,9 @@ def test_a_custom_loop_under_xla_is_reported():
     assert any(c.startswith("XLA_BATCH_SHAPES") for c in report["caveats"])
 
 
-def test_a_custom_loop_with_its_sums_under_xla_and_its_update_outside_is_reported():
-    # Session 24 review: the sums under XLA, apply_private in another function without it:
-    # the caveat of apply_private under XLA missed it (1.33 C, no caveat).
-    model, opt, loss_fn = _private_dense()
-
-    @tf.function(jit_compile=True)
+def _split_loop(model, opt, loss_fn):
+    """A custom loop split in two: the clipped sums (a plain function, for the caller to
+    trace with or without XLA) and a traced update applying them."""
     def sums(x, y):
         return clipped_sum(model, x, y, None, loss_fn, 1.0).grads
 
@@ -456,8 +453,16 @@ def test_a_custom_loop_with_its_sums_under_xla_and_its_update_outside_is_reporte
     def update(grads):
         opt.apply_private(grads, model.trainable_variables, 8.0)
 
+    return sums, update
+
+
+def test_a_custom_loop_with_its_sums_under_xla_and_its_update_outside_is_reported():
+    # Session 24 review: the sums under XLA, apply_private in another function without it:
+    # the caveat of apply_private under XLA missed it (1.33 C, no caveat).
+    model, opt, loss_fn = _private_dense()
+    sums, update = _split_loop(model, opt, loss_fn)
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
-    update(sums(x, y))
+    update(tf.function(sums, jit_compile=True)(x, y))
     report = model.privacy_report()
     assert report["steps"] == 1 and not report["guarantee_holds"]
     assert any(c.startswith("XLA_BATCH_SHAPES: tf_dp.core.clipped_sum traced under XLA")
@@ -478,15 +483,7 @@ def test_sums_under_xla_are_reported_for_an_update_traced_before_them():
     opt.build(model.trainable_variables)
     budget = PrivacyBudget(delta=1e-5)
     budget.track(opt)
-    loss_fn = tf_dp.core.build_per_example_loss("mse")
-
-    def sums(x, y):
-        return clipped_sum(model, x, y, None, loss_fn, 1.0).grads
-
-    @tf.function
-    def update(grads):
-        opt.apply_private(grads, model.trainable_variables, 8.0)
-
+    sums, update = _split_loop(model, opt, tf_dp.core.build_per_example_loss("mse"))
     x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
     update(tf.function(sums)(x, y))  # warm-up: the update is traced here, once
     budget.drain(opt)

@@ -39,6 +39,21 @@ def _batch():
             tf.constant(RNG.normal(size=(6, 2)).astype(np.float32)))
 
 
+def _private_model_and_loop():
+    """A private model compiled with DPSGD, and a traced custom loop step over
+    ``clipped_sum`` and its optimizer's ``apply_private``."""
+    model = tf_dp.keras.make_private(_model())
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    opt = model.optimizer
+
+    @tf.function
+    def loop_step(a, b):
+        out = clipped_sum(model, a, b, None, LOSS, 1.0)
+        opt.apply_private(out.grads, model.trainable_variables, 8.0)
+
+    return model, loop_step
+
+
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch):
     for name in private_step._REDUCED_PRECISION_MATH_VARIABLES:
@@ -71,17 +86,9 @@ def test_grapplers_mixed_precision_rewrite_is_refused(option):
     # (per-example norms moved by up to 12.6 %), unrefused. Refused while a step is traced
     # and at every call of Keras' train function; turned on after a custom loop was traced,
     # the steps read while it is on void the report.
-    model = tf_dp.keras.make_private(_model())
-    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    model, loop_step = _private_model_and_loop()
     x, y = _batch()
     model.train_on_batch(x, y)
-    opt = model.optimizer
-
-    @tf.function
-    def loop_step(a, b):
-        out = clipped_sum(model, a, b, None, LOSS, 1.0)
-        opt.apply_private(out.grads, model.trainable_variables, 8.0)
-
     loop_step(x, y)
     assert model.privacy_report()["guarantee_holds"]
     tf.config.optimizer.set_experimental_options({option: True})
@@ -107,16 +114,8 @@ def test_a_mixed_precision_rewrite_through_another_route_voids_the_steps(route):
     # on for a custom loop's steps and off before the report: per-example norms moved by
     # 0.95 %, and the report held. tf_dp now records it in TensorFlow's eager context, where
     # every route stores it (also the v1 mixed precision graph rewrite).
-    model = tf_dp.keras.make_private(_model())
-    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    model, loop_step = _private_model_and_loop()
     x, y = _batch()
-    opt = model.optimizer
-
-    @tf.function
-    def loop_step(a, b):
-        out = clipped_sum(model, a, b, None, LOSS, 1.0)
-        opt.apply_private(out.grads, model.trainable_variables, 8.0)
-
     loop_step(x, y)
     assert model.privacy_report()["guarantee_holds"]
     options = tf.compat.v1.config.optimizer
@@ -207,9 +206,7 @@ def test_tensor_float_32_with_a_gpu_that_uses_it_is_refused(monkeypatch):
     config = tf.config.experimental
     monkeypatch.setattr(private_step, "_tf32_capable_gpus",
                         lambda: ("/physical_device:GPU:0 (compute capability 8.0)",))
-    model = tf_dp.keras.make_private(_model())
-    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
-    opt = model.optimizer
+    model, loop_step = _private_model_and_loop()
     x, y = _batch()
     assert config.tensor_float_32_execution_enabled()  # TensorFlow's default
     try:
@@ -217,12 +214,6 @@ def test_tensor_float_32_with_a_gpu_that_uses_it_is_refused(monkeypatch):
             model.train_on_batch(x, y)
         config.enable_tensor_float_32_execution(False)
         model.train_on_batch(x, y)
-
-        @tf.function
-        def loop_step(a, b):
-            out = clipped_sum(model, a, b, None, LOSS, 1.0)
-            opt.apply_private(out.grads, model.trainable_variables, 8.0)
-
         loop_step(x, y)
         assert model.privacy_report()["guarantee_holds"]
         tf.compat.v1.config.experimental.enable_tensor_float_32_execution(True)
@@ -238,8 +229,7 @@ def test_tensor_float_32_with_a_gpu_that_uses_it_is_refused(monkeypatch):
     # Without such a GPU (this machine), TF32 changes nothing and is accepted.
     monkeypatch.setattr(private_step, "_tf32_capable_gpus", lambda: ())
     private_step.settings_on_since(0.0)  # tf_dp sees it off (the pretended GPU is gone)
-    fresh = tf_dp.keras.make_private(_model())
-    fresh.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    fresh, _ = _private_model_and_loop()
     fresh.train_on_batch(x, y)
     assert fresh.privacy_report()["guarantee_holds"]
 

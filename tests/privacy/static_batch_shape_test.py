@@ -163,6 +163,15 @@ def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy, feed):
     model = keras.Model([a, b], keras.layers.Subtract()([lstm(a), lstm(b)]))
     k, rk, bias = lstm.get_weights()
     lstm.set_weights([k * 1e-9, rk, bias])
+    fed = (lambda u, v: [u, v]) if feed == "list" else (lambda u, v: {"b": v, "a": u})
+    _assert_the_relaxed_trace_runs_with_the_same_sums(model, strategy, fed)
+
+
+def _assert_the_relaxed_trace_runs_with_the_same_sums(model, strategy, fed):
+    """Made private, ``model`` (two inputs through an LSTM whose kernel is scaled 1e-9)
+    runs a crafted batch (Keras' first trace: every dimension static), a longer one (the
+    trace relaxed to (None, None, 3)) and the first again: no refusal, and the same float64
+    clipped sums in both traces."""
     model = tf_dp.keras.make_private(model)
     opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=0.0,
                       norm_strategy=strategy)
@@ -172,14 +181,14 @@ def test_a_dimension_declared_none_is_unknown_in_every_trace(strategy, feed):
     xa, xb = _crafted(32, 30, rng)
     xb[31] = xa[31] + 1.0
     y = np.zeros((32, 1), np.float32)
-    fed = (lambda u, v: [u, v]) if feed == "list" else (lambda u, v: {"b": v, "a": u})
-    model.train_on_batch(fed(xa, xb), y)  # Keras' first trace: every dimension static
+    model.train_on_batch(fed(xa, xb), y)
     first = last_sums()
     longer = rng.normal(size=(32, 6, _F)).astype(np.float32)
-    model.train_on_batch(fed(longer, longer + 1.0), y)  # relaxed to (None, None, 3): runs
-    model.train_on_batch(fed(xa, xb), y)  # the relaxed trace
+    model.train_on_batch(fed(longer, longer + 1.0), y)
+    model.train_on_batch(fed(xa, xb), y)
     np.testing.assert_array_equal(last_sums(), first)
     assert model.accountant.steps == 3
+    return xa, xb, y
 
 
 class _SharedLstm(keras.Model):
@@ -206,22 +215,9 @@ def test_a_subclassed_models_dimension_built_none_is_unknown_in_every_trace(stra
     model.build([(None, None, _F), (None, None, _F)])
     k, rk, bias = model.lstm.get_weights()
     model.lstm.set_weights([k * 1e-9, rk, bias])
-    model = tf_dp.keras.make_private(model)
-    opt = tf_dp.DPSGD(l2_norm_clip=_CLIP, noise_multiplier=0.0, learning_rate=0.0,
-                      norm_strategy=strategy)
-    model.compile(optimizer=opt, loss=_loss)
-    last_sums = _capture_sums(opt)
-    rng = np.random.default_rng(0)
-    xa, xb = _crafted(32, 30, rng)
-    xb[31] = xa[31] + 1.0
-    y = np.zeros((32, 1), np.float32)
-    model.train_on_batch([xa, xb], y)
-    first = last_sums()
-    longer = rng.normal(size=(32, 6, _F)).astype(np.float32)
-    model.train_on_batch([longer, longer + 1.0], y)
-    model.train_on_batch([xa, xb], y)
-    np.testing.assert_array_equal(last_sums(), first)
-    assert model.accountant.steps == 3
+    xa, xb, y = _assert_the_relaxed_trace_runs_with_the_same_sums(
+        model, strategy, lambda u, v: [u, v])
+    longer = np.random.default_rng(1).normal(size=(32, 6, _F)).astype(np.float32)
     # Built by its first call instead, the model declares that call's sizes: refused.
     keras.utils.set_random_seed(0)
     called = _SharedLstm()
