@@ -156,6 +156,15 @@ def test_several_outputs_take_the_loss_and_weights_as_keras_does():
     np.testing.assert_allclose(got, mse_a + 3 * mse_b, rtol=1e-6)
     got = build_per_example_loss("mse", output_names=["a"])(ya, pa).numpy()
     np.testing.assert_allclose(got, mse_a, rtol=1e-6)
+    # Session 25 audit: a dict of targets was read in its insertion order, so output a was
+    # trained toward target b ({"b": ..., "a": ...}); Keras reads it by output name.
+    for loss in ("mse", ["mse", "mse"]):
+        got = build_per_example_loss(loss, {"a": 1.0, "b": 3.0}, names)(
+            {"b": yb, "a": ya}, [pa, pb]).numpy()
+        np.testing.assert_allclose(got, mse_a + 3 * mse_b, rtol=1e-6)
+    with pytest.raises(ValueError, match="none of which names the model's output"):
+        build_per_example_loss(["mse", "mse"], output_names=names)({"x": ya, "y": yb},
+                                                                    [pa, pb])
 
 
 class _Gated(keras.layers.Layer):

@@ -96,12 +96,16 @@ def build_per_example_loss(loss: Any, loss_weights: Any = None, output_names=Non
                     _weight(loss_weights, k, names.index(k))) for k, v in loss.items()
                    if v is not None]
     elif isinstance(loss, (list, tuple)):
-        entries = [((None, i), _loss_callable(v), _weight(loss_weights, _name(output_names, i), i))
+        # A dict of targets is read by the output's name, as Keras does (it was read in the
+        # dict's insertion order: output a trained toward target b, session 25 audit).
+        entries = [((_name(output_names, i), i), _loss_callable(v),
+                    _weight(loss_weights, _name(output_names, i), i))
                    for i, v in enumerate(loss) if v is not None]
     elif output_names is not None and len(output_names) > 1:
         # One loss for a model of several outputs: Keras applies it to every output and sums
         # (tf_dp applied it to the first output only).
-        entries = [((None, i), _loss_callable(loss), _weight(loss_weights, output_names[i], i))
+        entries = [((output_names[i], i), _loss_callable(loss),
+                    _weight(loss_weights, output_names[i], i))
                    for i in range(len(output_names))]
     else:
         entries = [((None, None), _loss_callable(loss), _weight(loss_weights, None, None))]
@@ -141,12 +145,18 @@ def _weight(loss_weights, key, index):
 
 
 def _output(y, key, index):
-    """One output of targets or predictions ``y``: by ``key`` from a dict that has it, else
-    at position ``index`` (None: a single output)."""
+    """One output of targets or predictions ``y``: by ``key`` (the output's name) from a
+    dict, else at position ``index`` (None: a single output). A dict of several entries
+    without that key is refused: its order says nothing about which output each is for."""
     if isinstance(y, dict):
         if key is not None and key in y:
             return y[key]
-        y = list(y.values())
+        if len(y) == 1 and not index:
+            return next(iter(y.values()))
+        raise ValueError(
+            f"tf_dp: the targets are a dict with keys {sorted(y)}, none of which names the "
+            f"model's output {key if key is not None else index!r}: Keras pairs a dict of "
+            "targets with the outputs by the output layers' names (model.output_names).")
     elif not isinstance(y, (list, tuple)):
         y = [y]
     return y[0 if index is None else index]
