@@ -260,6 +260,15 @@ def _layout(case):
     elif case == "nested_dict_as_list":
         model = keras.Model({"g": {"a": a, "b": b}}, dense(both()))
         feed = lambda n, t: [seq(n, t), seq(n, t)]  # noqa: E731
+    elif case == "nested_dict_inner_list":  # session 25 audit c: lists inside a dict
+        model = keras.Model({"g": {"a": a, "b": b}}, dense(both()))
+        feed = lambda n, t: {"g": [seq(n, t), seq(n, t)]}  # noqa: E731
+    elif case == "list_given_nested":
+        model = keras.Model([a, b], dense(both()))
+        feed = lambda n, t: [[seq(n, t)], seq(n, t)]  # noqa: E731
+    elif case == "dict_values_nested":
+        model = keras.Model([a, b], dense(both()))
+        feed = lambda n, t: {"a": [seq(n, t)], "b": seq(n, t)}  # noqa: E731
     elif case == "unread_key":  # a key Keras drops before the model
         model = keras.Model([a, b], dense(both()))
         feed = lambda n, t: {"a": seq(n, t), "b": seq(n, t),  # noqa: E731
@@ -277,8 +286,9 @@ def _layout(case):
 
 
 @pytest.mark.parametrize("case", ["expand_rank", "squeeze_rank", "dict_as_array",
-                                  "nested_dict_as_list", "unread_key", "subclassed_numpy_int",
-                                  "targets_masked", "targets_mse"])
+                                  "nested_dict_as_list", "nested_dict_inner_list",
+                                  "list_given_nested", "dict_values_nested", "unread_key",
+                                  "subclassed_numpy_int", "targets_masked", "targets_mse"])
 def test_no_refusal_follows_the_length_in_kerass_other_layouts(case):
     # Session 25 review: in these layouts (all accepted by Keras) nothing was hidden, or a
     # target's length was kept static against an output of 1 that losses broadcast, so a

@@ -684,26 +684,14 @@ def _declared(model, struct_name, list_name, given, names=None):
         declared = model.__dict__.get(struct_name)
         if declared is None:
             declared = getattr(model, list_name, None)
-            if isinstance(declared, (list, tuple)) and len(declared) == 1:
-                declared = declared[0]
         if declared is None and struct_name == "_inputs_struct":
             declared = _built_input_shapes(model)
-        # One input given or declared as a one-element list (keras.Model([i], out) called
-        # with an array, or the reverse: session 24 review) is that input.
-        if isinstance(declared, (list, tuple)) and len(declared) == 1 and not isinstance(
-                given, (list, tuple, dict)):
-            declared = declared[0]
-        if isinstance(given, (list, tuple)) and len(given) == 1 and not isinstance(
-                declared, (list, tuple, dict)):
-            given = given[0]
         if declared is None:
             return None
-        if not _same_nest(declared, given):
-            return _paired_as_keras_does(declared, given, names)
+        flat = _paired_as_keras_does(declared, given, names)
     except (AttributeError, ValueError, TypeError):
         return None
-    flat = tf.nest.flatten(declared)
-    if not all(hasattr(d, "shape") for d in flat):
+    if flat is None or not all(d is _UNREAD or hasattr(d, "shape") for d in flat):
         return None
     return flat
 
@@ -720,38 +708,40 @@ _UNREAD = _Unread()
 
 
 def _paired_as_keras_does(declared, given, names=None):
-    """Declared inputs for given ones nested otherwise, paired as Keras' functional models
-    pair them (``Functional._standardize_inputs``): a dict given for inputs declared as a
-    list (or as one input) by the Inputs' names, its other keys unread; a list or tuple
-    given for inputs declared as a dict in the dict's flattened (sorted-key) order (any
-    nesting, a bare tensor for a one-input dict). ``names``: the declared tensors' names
-    (targets: ``model.output_names``). A list aligned with ``tf.nest.flatten(given)``,
-    ``_UNREAD`` where the model reads nothing; None when they do not pair (session 25 audit: a list of Inputs fed a dict by their names hid
-    nothing, and the refusal followed padded-to-longest data)."""
-    def leaves(values):
-        return all(not isinstance(v, (list, tuple, dict)) for v in values)
-
-    if isinstance(given, dict) and not isinstance(declared, dict):
-        tensors = list(declared) if isinstance(declared, (list, tuple)) else [declared]
-        if not leaves(tensors) or not leaves(given.values()):
-            return None
+    """The declared tensors aligned with ``tf.nest.flatten(given)``, paired as Keras'
+    functional models pair what they are given with their Inputs
+    (``Functional._standardize_inputs``), and as its compiled loss pairs targets with the
+    outputs: a dict given for declarations that are not a dict is first read by the
+    declared tensors' names (``names``; targets: ``model.output_names``), its other keys
+    unread (``_UNREAD``); then both sides are flattened (dict keys sorted, at every level)
+    and paired in order. None when the counts differ, names are missing, or a dict
+    declaration's keys are not in sorted order while a non-dict is given (Keras refuses
+    that). Every nesting and one-element list follows from these two steps: the layouts
+    session 24's review and session 25's audits found (a dict by name for a list of Inputs,
+    a list for a dict, a bare array for a one-input dict, nested dicts fed lists, lists
+    nested in a dict's values) each hid nothing before, and the trace-kind refusal
+    followed padded-to-longest data."""
+    flat_declared = tf.nest.flatten(declared)
+    count = len(tf.nest.flatten(given))
+    positions = iter(range(count))
+    index = tf.nest.map_structure(lambda _: next(positions), given)
+    if isinstance(index, dict) and not isinstance(declared, dict):
         if names is None:
-            names = [getattr(d, "name", None) for d in tensors]
-        if len(names) != len(tensors) or None in names or len(set(names)) != len(names):
+            names = [getattr(d, "name", None) for d in flat_declared]
+        if (len(names) != len(flat_declared) or None in names or len(set(names)) != len(names)
+                or not set(names) <= set(index)):
             return None
-        by_name = dict(zip(names, tensors))
-        if not set(by_name) <= set(given):
-            return None
-        return [by_name.get(key, _UNREAD) for key in sorted(given)]
-    if isinstance(declared, dict) and not isinstance(given, dict):
-        # Keras flattens both (sorted keys at every level) once the top level's keys are
-        # in sorted order (it refuses them otherwise): nested dicts and a bare tensor for a
-        # one-input dict included.
-        flat = tf.nest.flatten(declared)
-        if (list(declared) == sorted(declared)
-                and len(flat) == len(tf.nest.flatten(given))):
-            return flat
-    return None
+        index = [index[name] for name in names]
+    elif (isinstance(declared, dict) and not isinstance(index, dict)
+          and list(declared) != sorted(declared)):
+        return None
+    flat_index = tf.nest.flatten(index)
+    if len(flat_index) != len(flat_declared):
+        return None
+    out = [_UNREAD] * count
+    for i, d in zip(flat_index, flat_declared):
+        out[i] = d
+    return out
 
 
 class _BuiltShape:
@@ -794,21 +784,6 @@ def _built_input_shapes(model):
     if isinstance(out, (list, tuple)) and len(out) == 1:
         out = out[0]
     return out
-
-
-def _same_nest(declared, given) -> bool:
-    """Whether ``given`` nests like ``declared``: dicts with the same keys, lists or tuples
-    of the same length (either kind: Keras' data adapters turn lists into tuples), leaves.
-    A list given for declared dict inputs is not matched (its order is Keras' to decide)."""
-    if isinstance(declared, dict) or isinstance(given, dict):
-        return (isinstance(declared, dict) and isinstance(given, dict)
-                and set(declared) == set(given)
-                and all(_same_nest(declared[k], given[k]) for k in declared))
-    if isinstance(declared, (list, tuple)) or isinstance(given, (list, tuple)):
-        return (isinstance(declared, (list, tuple)) and isinstance(given, (list, tuple))
-                and len(declared) == len(given)
-                and all(_same_nest(d, g) for d, g in zip(declared, given)))
-    return True
 
 
 def _unknown_flags(t, declared):
