@@ -221,6 +221,39 @@ def test_batch_norm_keeps_its_specific_message():
         check_per_example_independence(model, X, Y, None, XENT)
 
 
+def _text_model(length):
+    import tf_dp  # noqa: PLC0415
+
+    strings = keras.Input((), dtype="string")
+    tokens = L.TextVectorization(vocabulary=["a", "b", "c"], output_sequence_length=length,
+                                 name="vectorize")(strings)
+    h = L.GlobalAveragePooling1D()(L.Embedding(6, 3, mask_zero=True)(tokens))
+    return tf_dp.keras.make_private(keras.Model(strings, L.Dense(2)(h)))
+
+
+def test_a_text_vectorization_padding_to_the_batchs_longest_is_refused():
+    # Session 25 audit: TextVectorization(output_sequence_length=None) pads each batch to
+    # its longest text, so one example set every other's length (2.41 C moved, no caveat);
+    # the independence check caught it only when the first batch's rows had mixed lengths.
+    # Refused by the layer's configuration, whatever the data.
+    import tf_dp  # noqa: PLC0415
+
+    same_length = np.array(["a b"] * 12 + ["a b c a b c a"] * 4)
+    y = np.zeros(16, np.int32)
+    for texts in (same_length, same_length[::-1]):
+        model = _text_model(None)
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="sparse_categorical_crossentropy")
+        with pytest.raises(ValueError, match="'vectorize' is a TextVectorization with "
+                                             "output_sequence_length=None"):
+            model.train_on_batch(texts, y)
+    model = _text_model(8)  # a fixed length: runs
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="sparse_categorical_crossentropy")
+    model.train_on_batch(same_length, y)
+    assert model.accountant.steps == 1
+
+
 def test_frozen_batch_norm_runs_in_inference_mode_and_passes():
     model = _mlp([L.BatchNormalization(name="bn")])
     model.get_layer("bn").trainable = False

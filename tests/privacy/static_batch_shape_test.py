@@ -273,6 +273,18 @@ def _layout(case):
         model = keras.Model([a, b], dense(both()))
         feed = lambda n, t: {"a": seq(n, t), "b": seq(n, t),  # noqa: E731
                              "mask": np.ones((n, t), np.float32)}
+    elif case == "subclassed_without_build":  # session 25 audit c: no build method of its
+        class Plain(keras.Model):  # own, "built" by build(shape) with no variables yet
+            def __init__(self):
+                super().__init__()
+                self.lstm, self.dense = keras.layers.LSTM(4), keras.layers.Dense(1)
+
+            def call(self, x):
+                return self.dense(self.lstm(x))
+
+        model = Plain()
+        model.build((None, None, _F))
+        feed = seq
     elif case == "subclassed_numpy_int":
         model = _SharedLstm()
         model.build([(None, None, np.int64(_F)), (None, None, np.int64(_F))])
@@ -288,7 +300,7 @@ def _layout(case):
 @pytest.mark.parametrize("case", ["expand_rank", "squeeze_rank", "dict_as_array",
                                   "nested_dict_as_list", "nested_dict_inner_list",
                                   "list_given_nested", "dict_values_nested", "unread_key",
-                                  "subclassed_numpy_int", "targets_masked", "targets_mse"])
+                                  "subclassed_without_build", "subclassed_numpy_int", "targets_masked", "targets_mse"])
 def test_no_refusal_follows_the_length_in_kerass_other_layouts(case):
     # Session 25 review: in these layouts (all accepted by Keras) nothing was hidden, or a
     # target's length was kept static against an output of 1 that losses broadcast, so a

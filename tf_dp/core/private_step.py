@@ -32,9 +32,23 @@ from tf_dp.core.norm_strategies import (  # noqa: F401
 
 
 def check_no_cross_example_layers(model):
-    """Refuses trainable BatchNormalization (its batch statistics mix examples) and stateful
-    recurrent layers (their states carry one step's examples into the next step)."""
+    """Refuses trainable BatchNormalization (its batch statistics mix examples), stateful
+    recurrent layers (their states carry one step's examples into the next step) and a
+    ``TextVectorization`` that pads each batch to its own longest text (one example sets
+    the length every other is computed at). By the layers' configuration alone, never the
+    data."""
     for layer in _internals.all_layers(model, include_self=False):
+        if (isinstance(layer, keras.layers.TextVectorization)
+                and getattr(layer, "_output_mode", None) == "int"
+                and getattr(layer, "_output_sequence_length", None) is None
+                and not getattr(layer, "_ragged", False)):
+            raise ValueError(
+                f"Layer {layer.name!r} is a TextVectorization with output_sequence_length="
+                "None: it pads each batch to the length of its longest text, so one example "
+                "sets the length at which every other example of its batch is computed (one "
+                "example moved the clipped sum by 2.41 times the clipping norm, session 25 "
+                "audit). Give it output_sequence_length=<a fixed length> (with "
+                "Embedding(mask_zero=True) to mask the padding).")
         if isinstance(layer, keras.layers.RNN) and getattr(layer, "stateful", False):
             raise ValueError(
                 f"Layer {layer.name!r} is a stateful recurrent layer (stateful=True): its "

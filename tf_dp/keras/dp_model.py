@@ -295,12 +295,15 @@ class DPTrainMixin:
         if _dp_optimizer_of(optimizer).seeded:
             self._dp_caveat(_SEEDED_CAVEAT)
         opt = _dp_optimizer_of(optimizer)
-        if self.built and not opt.built:
+        trainable = carriers.carrier_for(self).trainable if self.built else []
+        if self.built and not opt.built and trainable:
             # Built here, outside any trace: slot variables created during the first trace
             # of a tf.function (even under init_scope) make it trace the private step a
             # second time (the first step took 1.9x non-private's on the CNN, 1.1x built
             # here). An unbuilt model's optimizer is built by fit or by the step itself.
-            opt.build(carriers.carrier_for(self).trainable)
+            # (A model "built" without variables, a subclassed model's build(shape) with no
+            # build method of its own, builds them in its first call: the optimizer then.)
+            opt.build(trainable)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
