@@ -122,7 +122,8 @@ _NON_TRAINABLE_STATE = {
 # Containers of other layers, with no weights of their own.
 _CONTAINERS = {
     "Pipeline": "its layers are classified on their own",
-    "TextVectorization": "a StringLookup inside",
+    "TextVectorization": ("a StringLookup inside; refused with `output_sequence_length=None`, "
+                          "which pads each batch to its longest text"),
     "RandAugment": "augmentation layers inside",
     "AugMix": "augmentation layers inside",
     "Lambda": "a function: cannot create weights",
