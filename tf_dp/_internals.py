@@ -200,6 +200,46 @@ def compiling_with_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
+def xla_marked(graph, operations) -> list:
+    """Where ``operations`` (of ``graph``, a graph being traced) have TensorFlow compile
+    something with XLA on its own: ops marked ``_XlaCompile`` (``jit_scope``) and calls of
+    functions marked ``_XlaMustCompile`` (``tf.function(jit_compile=True)``), also inside
+    the functions they call (branches, loop bodies, nested calls) at any depth. A list of
+    op names (``"caller -> function"`` for a function), empty when nothing is.
+
+    Private: ``Graph._get_function`` (the function a call op names). Public replacement:
+    none while the graph is still being traced."""
+    found, seen = [], set()
+
+    def node(name, attr):
+        marked = attr.get("_XlaCompile")
+        if marked is not None and marked.b:
+            found.append(name)
+        for value in attr.values():
+            names = [value.func.name] if value.HasField("func") else (
+                [f.name for f in value.list.func] if value.HasField("list") else [])
+            for fname in names:
+                function(fname, name)
+
+    def function(name, caller):
+        if name in seen:
+            return
+        seen.add(name)
+        fn = graph._get_function(name)
+        if fn is None:
+            return
+        definition = getattr(fn, "cached_definition", None) or fn.definition
+        must = definition.attr.get("_XlaMustCompile")
+        if must is not None and must.b:
+            found.append(f"{caller} -> {name}")
+        for nd in definition.node_def:
+            node(nd.name, nd.attr)
+
+    for op in operations:
+        node(op.name, op.node_def.attr)
+    return found
+
+
 _PFOR_LOCK = __import__("threading").Lock()
 _PFOR_DEPTH = [0]
 _PFOR_SAVED: dict = {}

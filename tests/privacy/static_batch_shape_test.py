@@ -273,6 +273,12 @@ def _layout(case):
         model = keras.Model([a, b], dense(both()))
         feed = lambda n, t: {"a": seq(n, t), "b": seq(n, t),  # noqa: E731
                              "mask": np.ones((n, t), np.float32)}
+    elif case in ("dict_extra_key", "dict_extra_static_key"):  # session 26 audit: Keras
+        # pairs the first given tensors in order and drops the rest; tf_dp hid nothing
+        model = keras.Model({"a": a, "b": b}, dense(both()))
+        extra = ((lambda n, t: np.ones((n, t), np.float32)) if case == "dict_extra_key"
+                 else (lambda n, t: np.ones((n, 2), np.float32)))
+        feed = lambda n, t: {"a": seq(n, t), "b": seq(n, t), "z": extra(n, t)}  # noqa: E731
     elif case == "subclassed_without_build":  # session 25 audit c: no build method of its
         class Plain(keras.Model):  # own, "built" by build(shape) with no variables yet
             def __init__(self):
@@ -300,7 +306,9 @@ def _layout(case):
 @pytest.mark.parametrize("case", ["expand_rank", "squeeze_rank", "dict_as_array",
                                   "nested_dict_as_list", "nested_dict_inner_list",
                                   "list_given_nested", "dict_values_nested", "unread_key",
-                                  "subclassed_without_build", "subclassed_numpy_int", "targets_masked", "targets_mse"])
+                                  "dict_extra_key", "dict_extra_static_key",
+                                  "subclassed_without_build", "subclassed_numpy_int",
+                                  "targets_masked", "targets_mse"])
 def test_no_refusal_follows_the_length_in_kerass_other_layouts(case):
     # Session 25 review: in these layouts (all accepted by Keras) nothing was hidden, or a
     # target's length was kept static against an output of 1 that losses broadcast, so a
@@ -388,14 +396,23 @@ def test_which_dimensions_are_declared_unknown():
     # a list for dict inputs: Keras pairs it with the dict's sorted keys (session 25 audit)
     assert declared(model, [given["a"], given["b"]], tf.zeros([4, 2]))[:2] == [
         (True, False), (False,)]
-    assert declared(model, [given["a"]], tf.zeros([4, 2]))[0] is None  # does not pair
+    # inputs that do not pair while the model declares a dimension None are refused by
+    # their structure (unpaired, that dimension would be known and the trace-kind refusal
+    # would follow the data; session 26 audit)
+    with pytest.raises(ValueError, match="cannot pair the inputs"):
+        declared(model, [given["a"]], tf.zeros([4, 2]))
     # a dict for a list of Inputs: by their names, other keys unread (session 25 audit)
     a, b = keras.Input((None, 3), name="a"), keras.Input((5,), name="b")
     listed = keras.Model([a, b], keras.layers.Concatenate()([keras.layers.LSTM(2)(a), b]))
     fed = {"b": tf.zeros([4, 5]), "a": tf.zeros([4, 6, 3]), "c": tf.zeros([4, 6])}
     # (the unread key "c": every dimension hidden, session 25 review)
     assert declared(listed, fed, tf.zeros([4, 2]))[:3] == [(True, False), (False,), (True,)]
-    assert declared(listed, {"a": fed["a"]}, tf.zeros([4, 2]))[0] is None  # "b" missing
+    with pytest.raises(ValueError, match="cannot pair the inputs"):  # "b" missing
+        declared(listed, {"a": fed["a"]}, tf.zeros([4, 2]))
+    # more tensors than Inputs: Keras pairs the first in order and drops the rest (session
+    # 26 audit: nothing was hidden)
+    three = {"a": fed["a"], "b": fed["b"], "z": tf.zeros([4, 6])}
+    assert declared(model, three, tf.zeros([4, 2]))[:3] == [(True, False), (False,), (True,)]
     # one input declared as a one-element list and given as an array (session 24 review)
     single = keras.Input((None, 3))
     listed = keras.Model([single], keras.layers.LSTM(2)(single))
@@ -416,7 +433,11 @@ def test_which_dimensions_are_declared_unknown():
     built.build([(None, None, 3), (None, 4, 3)])  # declared by build: a list of shapes
     pair = [tf.zeros([4, 6, 3]), tf.zeros([4, 4, 3])]
     assert declared(built, pair, tf.zeros([4, 1]))[:2] == [(True, False), (False, False)]
-    assert declared(built, pair[0], tf.zeros([4, 1]))[0] is None  # nests unlike the build
+    with pytest.raises(ValueError, match="cannot pair the inputs"):  # nests unlike the build
+        declared(built, pair[0], tf.zeros([4, 1]))
+    u, v = keras.Input((3,), name="u"), keras.Input((3,), name="v")
+    static = keras.Model([u, v], keras.layers.Add()([u, v]))  # nothing declared None:
+    assert declared(static, [tf.zeros([4, 3])], tf.zeros([4, 3]))[0] is None  # not refused
     single = Subclassed()
     single.build((None, None, 3))
     assert declared(single, tf.zeros([4, 6, 3]), tf.zeros([4, 2]))[0] == (True, False)
@@ -460,6 +481,27 @@ def test_a_loss_may_read_the_static_size_the_output_declares():
                   loss={"first": "mse", "second": per_class})
     model.train_on_batch(x, {"first": y[:, :2], "second": y})
     assert model.accountant.steps == 1
+
+
+def test_a_loss_reading_a_hidden_target_size_fails_with_tf_dps_reason():
+    # Session 26 audit: [label, weight] packed as (B, 2) targets against a (B, 1) output
+    # keep that size hidden (losses broadcast against 1, and label lists padded to their
+    # longest look the same), so a loss unstacking them failed with TensorFlow's words
+    # only ("Cannot infer argument `num`"). The error now says why, and what to do.
+    def packed(y_true, y_pred):
+        label, weight = tf.unstack(y_true, axis=-1)
+        return weight * tf.square(label - y_pred[:, 0])
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype(np.float32)
+    y = np.stack([rng.normal(size=16), rng.uniform(size=16)], -1).astype(np.float32)
+    model = tf_dp.keras.make_private(keras.Sequential([keras.Input((6,)),
+                                                       keras.layers.Dense(1)]))
+    model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0), loss=packed)
+    with pytest.raises(ValueError, match=r"(?s)Cannot infer.*target 0: dimension\(s\) \[1\]"
+                                         r".*as sample_weight"):
+        model.train_on_batch(x, y)
+    assert model.accountant.steps == 0
 
 
 if __name__ == "__main__":

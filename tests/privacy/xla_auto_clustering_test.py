@@ -249,5 +249,57 @@ def test_a_private_step_inside_a_jit_scope_is_refused():
     assert model.privacy_report()["steps"] == 2
 
 
+class _XlaInside(keras.layers.Layer):
+    """A Dense whose call enters XLA on its own: a jit_scope, or a jit-compiled function."""
+
+    def __init__(self, mode, **kwargs):
+        super().__init__(**kwargs)
+        self.mode, self.inner = mode, keras.layers.Dense(3, activation="tanh")
+
+    def build(self, shape):
+        self.inner.build(shape)
+
+    def call(self, x):
+        if self.mode == "jit_scope":
+            with tf.xla.experimental.jit_scope():
+                return self.inner(x)
+        if self.mode == "jit_compile":
+            return tf.function(lambda t: self.inner(t), jit_compile=True)(x)
+        return self.inner(x)
+
+
+def _xla_loss(y_true, y_pred):  # a loss entering XLA on its own
+    return tf.function(lambda a, b: tf.reduce_mean(tf.square(a - b), -1),
+                       jit_compile=True)(y_true, y_pred)
+
+
+@pytest.mark.parametrize("mode,strategy", [("jit_scope", "auto"), ("jit_compile", "auto"),
+                                           ("jit_scope", "vectorized"), ("loss", "auto")])
+def test_xla_entered_inside_the_model_or_the_loss_is_refused(mode, strategy):
+    # Session 26 audit: the jit_scope check at the top of clipped_sum does not see a scope
+    # (or a jit-compiled function) entered inside a layer's call: 9 steps ran with
+    # "Compiled cluster using XLA!" logged and the report said the guarantee holds, while
+    # XLA's tanh rounded 16 of 16 rows differently at 16 and 32 rows. Refused while the step
+    # is traced, before any step; the same model without it trains.
+    def model_for(layer_mode):
+        keras.utils.set_random_seed(1)
+        inp = keras.Input((4,))
+        model = tf_dp.keras.make_private(
+            keras.Model(inp, keras.layers.Dense(2)(_XlaInside(layer_mode)(inp))))
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                            norm_strategy=strategy),
+                      loss=_xla_loss if layer_mode == "loss" else "mse")
+        return model
+
+    x, y = _batch()
+    model = model_for(mode)
+    with pytest.raises(ValueError, match="compile ops with XLA on its own"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.accountant.steps == 0 and int(model.optimizer.iterations) == 0
+    plain = model_for("plain")
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert plain.accountant.steps > 0
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
