@@ -209,6 +209,15 @@ def _crafted_branch_attack(model, clip, crafted_count=7):
     return np.linalg.norm(summed(dz) - summed(d)) / clip
 
 
+def test_losses_nested_inside_one_outputs_loss_are_refused_with_a_clear_error():
+    # Session 26 audit: outputs {"a": [A, B]} with losses {"a": ["mse", "bce"]} (Keras
+    # trains them) failed with "`loss` must be a string, ...", which did not say why.
+    with pytest.raises(TypeError, match="nests losses inside a loss of one output"):
+        build_per_example_loss({"a": ["mse", "binary_crossentropy"]}, output_names=["a"])
+    with pytest.raises(TypeError, match="must be a string"):
+        build_per_example_loss(3, output_names=["a"])
+
+
 def test_a_per_example_branch_runs_each_example_on_its_own_row_under_vmap():
     """The vectorized strategy's examples run in a loop when pfor would partition them by a
     per-example branch (tf_dp.core.vmap.vectorized_per_example)."""

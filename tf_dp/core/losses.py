@@ -28,6 +28,14 @@ def _loss_callable(loss: Any) -> tuple[Callable, bool, bool]:
         return loss.call, within_sum, _is_keras_own(loss)
     if callable(loss):
         return loss, False, _is_keras_own(loss)
+    if isinstance(loss, (list, tuple, dict)):
+        raise TypeError(
+            f"tf_dp: `loss` nests losses inside a loss of one output ({loss!r}): tf_dp takes "
+            "one loss per model output, as a list in the outputs' order or a dict by their "
+            "names, for a model whose outputs are a flat list or dict. Give the model a flat "
+            "list or dict of outputs (session 26 audit: outputs {'a': [A, B]} with losses "
+            "{'a': [...]})."
+        )
     raise TypeError(
         f"`loss` must be a string, a `keras.losses.Loss` or a callable, got {loss!r}."
     )
