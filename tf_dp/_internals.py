@@ -200,21 +200,30 @@ def compiling_with_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def xla_marked(graph, operations) -> list:
-    """Where ``operations`` (of ``graph``, a graph being traced) have TensorFlow compile
-    something with XLA on its own: ops marked ``_XlaCompile`` (``jit_scope``) and calls of
-    functions marked ``_XlaMustCompile`` (``tf.function(jit_compile=True)``), also inside
-    the functions they call (branches, loop bodies, nested calls) at any depth. A list of
-    op names (``"caller -> function"`` for a function), empty when nothing is.
+#: op types that run Python code TensorFlow cannot see into (tf.py_function, numpy_function)
+PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
+
+
+def xla_marked(graph, operations) -> tuple:
+    """What in ``operations`` (of ``graph``, a graph being traced), or in the functions they
+    call (branches, loop bodies, nested calls) at any depth, TensorFlow runs outside its own
+    kernels: ``(xla, python)``, two lists of op names.
+
+    ``xla``: ops marked ``_XlaCompile`` (``jit_scope``), calls of functions marked
+    ``_XlaMustCompile`` (``tf.function(jit_compile=True)``; named ``"caller -> function"``)
+    and XLA-only ops (types ``Xla*``, e.g. jax2tf's ``XlaCallModule``). ``python``: ops
+    running Python code (``PYTHON_OPS``), which may do anything, XLA included.
 
     Private: ``Graph._get_function`` (the function a call op names). Public replacement:
     none while the graph is still being traced."""
-    found, seen = [], set()
+    xla, python, seen = [], [], set()
 
-    def node(name, attr):
+    def node(name, op_type, attr):
         marked = attr.get("_XlaCompile")
-        if marked is not None and marked.b:
-            found.append(name)
+        if (marked is not None and marked.b) or op_type.startswith("Xla"):
+            xla.append(name)
+        if op_type in PYTHON_OPS:
+            python.append(name)
         for value in attr.values():
             names = [value.func.name] if value.HasField("func") else (
                 [f.name for f in value.list.func] if value.HasField("list") else [])
@@ -231,13 +240,13 @@ def xla_marked(graph, operations) -> list:
         definition = getattr(fn, "cached_definition", None) or fn.definition
         must = definition.attr.get("_XlaMustCompile")
         if must is not None and must.b:
-            found.append(f"{caller} -> {name}")
+            xla.append(f"{caller} -> {name}")
         for nd in definition.node_def:
-            node(nd.name, nd.attr)
+            node(nd.name, nd.op, nd.attr)
 
     for op in operations:
-        node(op.name, op.node_def.attr)
-    return found
+        node(op.name, op.type, op.node_def.attr)
+    return xla, python
 
 
 _PFOR_LOCK = __import__("threading").Lock()

@@ -291,6 +291,22 @@ def _layout(case):
         model = Plain()
         model.build((None, None, _F))
         feed = seq
+    elif case in ("subclassed_dict_extra_key", "subclassed_dict_extra_last"):
+        # session 26 review: a subclassed model reads its dict by key; the build's dict was
+        # paired by sorted position, so an extra key sorting first took the sequence's
+        # declaration and the sequence's length stayed known
+        class ByKey(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.lstm, self.dense = keras.layers.LSTM(4), keras.layers.Dense(1)
+
+            def call(self, inputs):
+                return self.dense(self.lstm(inputs["seq"] * inputs[extra][..., None]))
+
+        extra = "attention_mask" if case == "subclassed_dict_extra_key" else "zmask"
+        model = ByKey()
+        model.build({"seq": (None, None, _F)})
+        feed = lambda n, t: {"seq": seq(n, t), extra: np.ones((n, t), np.float32)}  # noqa: E731
     elif case == "subclassed_numpy_int":
         model = _SharedLstm()
         model.build([(None, None, np.int64(_F)), (None, None, np.int64(_F))])
@@ -307,6 +323,7 @@ def _layout(case):
                                   "nested_dict_as_list", "nested_dict_inner_list",
                                   "list_given_nested", "dict_values_nested", "unread_key",
                                   "dict_extra_key", "dict_extra_static_key",
+                                  "subclassed_dict_extra_key", "subclassed_dict_extra_last",
                                   "subclassed_without_build", "subclassed_numpy_int",
                                   "targets_masked", "targets_mse"])
 def test_no_refusal_follows_the_length_in_kerass_other_layouts(case):

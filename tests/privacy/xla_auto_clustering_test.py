@@ -301,5 +301,70 @@ def test_xla_entered_inside_the_model_or_the_loss_is_refused(mode, strategy):
     assert plain.accountant.steps > 0
 
 
+_MODULE = """
+module @jit_f attributes {jax.uses_shape_polymorphism = true} {
+  func.func public @main(%arg0: tensor<?x4xf32>) -> tensor<?x4xf32> {
+    %0 = stablehlo.tanh %arg0 : tensor<?x4xf32>
+    return %0 : tensor<?x4xf32>
+  }
+}
+"""
+
+
+class _XlaOnlyOp(keras.layers.Layer):
+    """tanh as jax2tf writes it: an XlaCallModule op, which TensorFlow compiles with XLA at
+    run time for each input shape, without any XLA marker on the op or a function."""
+
+    def call(self, x):
+        from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # noqa: PLC0415
+
+        (out,) = gen_xla_ops.xla_call_module(
+            args=[x], version=9, module=_MODULE, Sout=[tf.TensorShape([None, 4])],
+            Tout=[tf.float32], dim_args_spec=[], platforms=["CPU"], function_list=[],
+            has_token_input_output=False, disabled_checks=[])
+        out.set_shape(x.shape)
+        return out
+
+
+class _PythonInside(keras.layers.Layer):
+    """An identity whose training pass runs Python code (tf.numpy_function)."""
+
+    def call(self, x, training=False):
+        if training:
+            done = tf.numpy_function(lambda n: np.int32(0), [tf.shape(x)[0]], tf.int32,
+                                     stateful=True)
+            with tf.control_dependencies([done]):
+                x = tf.identity(x)
+        return x
+
+
+def test_xla_only_ops_are_refused_and_python_code_voids_the_report():
+    # Session 26 review: an XlaCallModule op (jax2tf's) in a layer is compiled by XLA per
+    # input shape and carries no XLA marker; Python code in the step (tf.py_function,
+    # numpy_function) runs anything, XLA included (16 of 16 examples' norms differed at
+    # 16 and 32 rows), and the report said the guarantee holds.
+    x, y = _batch()
+
+    def model_with(layer):
+        keras.utils.set_random_seed(1)
+        inp = keras.Input((4,))
+        model = tf_dp.keras.make_private(
+            keras.Model(inp, keras.layers.Dense(2)(layer(inp))))
+        model.compile(optimizer=tf_dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")
+        return model
+
+    model = model_with(_XlaOnlyOp())
+    with pytest.raises(ValueError, match="XLA-only op"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.accountant.steps == 0
+    model = model_with(_PythonInside())
+    with pytest.warns(UserWarning, match="OPAQUE_PYTHON"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    report = model.privacy_report()
+    assert report["steps"] > 0 and not report["guarantee_holds"]
+    assert any(c.startswith("OPAQUE_PYTHON") for c in report["caveats"])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))

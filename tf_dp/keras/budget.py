@@ -23,7 +23,7 @@ from tf_dp.keras.privacy_callback import max_additional_steps
 #: caveats that void the proof for the released model (see ``PrivacyBudget.report``).
 VOIDING = ("SEEDED", "FIXED_BATCHES", "ADAPTED_PREPROCESSING", "METRIC_STEERED",
            "XLA_BATCH_SHAPES", "XLA_AUTO_CLUSTERING", "MIXED_PRECISION_REWRITE",
-           "TENSOR_FLOAT_32", "UNCHECKED")
+           "TENSOR_FLOAT_32", "UNCHECKED", "OPAQUE_PYTHON")
 
 #: the caveat of steps read after XLA auto-clustering was on (``_drain_ledger``)
 XLA_AUTO_CLUSTERING_CAVEAT = (

@@ -134,8 +134,9 @@ class DPTrainMixin:
         (accounted as if Poisson-sampled), preprocessing adapted on data (its statistics
         are in the model, outside epsilon), a callback that steered training with a
         metric of the training data (``EarlyStopping(monitor='loss')``: its decision is
-        outside epsilon), or a model the checks for mixing examples could not compare
-        (``UNCHECKED``). Sampling declared by the user
+        outside epsilon), a model the checks for mixing examples could not compare
+        (``UNCHECKED``), or Python code run inside the private step by ``tf.py_function``
+        (``OPAQUE_PYTHON``). Sampling declared by the user
         (``sampling_probability=``) is a caveat the report lists but cannot check.
         """
         return self.privacy_budget.report(self._dp_clipping_description())
