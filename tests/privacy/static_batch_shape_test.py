@@ -11,6 +11,7 @@ private step with a dynamic batch dimension (``private_step.dynamic_batch``), ou
 which compiles each shape on its own (``XLA_BATCH_SHAPES``).
 """
 
+import collections
 import sys
 
 import keras
@@ -430,6 +431,16 @@ def test_which_dimensions_are_declared_unknown():
     # 26 audit: nothing was hidden)
     three = {"a": fed["a"], "b": fed["b"], "z": tf.zeros([4, 6])}
     assert declared(model, three, tf.zeros([4, 2]))[:3] == [(True, False), (False,), (True,)]
+    # an OrderedDict: Keras flattens it in insertion order (tf.nest sorts it) and pairs
+    # that order with the Inputs' (session 26 review)
+    same = {"a": keras.Input((None, 3), name="a"), "b": keras.Input((5, 3), name="b")}
+    pooled = keras.layers.Concatenate()([keras.layers.LSTM(2)(same["a"]),
+                                         keras.layers.LSTM(2)(same["b"])])
+    same_rank = keras.Model(same, pooled)
+    ordered = collections.OrderedDict([("b", tf.zeros([4, 5, 3])), ("a", tf.zeros([4, 6, 3]))])
+    # (tf.nest's order: a, b; Keras pairs b's tensor with Input a and a's with Input b)
+    assert declared(same_rank, ordered, tf.zeros([4, 4]))[:2] == [(False, False),
+                                                                  (True, False)]
     # one input declared as a one-element list and given as an array (session 24 review)
     single = keras.Input((None, 3))
     listed = keras.Model([single], keras.layers.LSTM(2)(single))

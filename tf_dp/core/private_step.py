@@ -869,7 +869,10 @@ def _paired_as_keras_does(declared, given, names=None):
     a list for a dict, a bare array for a one-input dict, nested dicts fed lists, lists
     nested in a dict's values) each hid nothing before, and the trace-kind refusal
     followed padded-to-longest data."""
-    flat_declared = tf.nest.flatten(declared)
+    # Both sides flattened by Keras' own tree, as Keras flattens them (an OrderedDict in its
+    # insertion order, where tf.nest sorts its keys: session 26 review); ``index`` holds each
+    # given tensor's position in ``tf.nest.flatten(given)``, the order tf_dp's flags follow.
+    flat_declared = keras.tree.flatten(declared)
     count = len(tf.nest.flatten(given))
     positions = iter(range(count))
     index = tf.nest.map_structure(lambda _: next(positions), given)
@@ -883,7 +886,7 @@ def _paired_as_keras_does(declared, given, names=None):
     elif (isinstance(declared, dict) and not isinstance(index, dict)
           and list(declared) != sorted(declared)):
         return None
-    flat_index = tf.nest.flatten(index)
+    flat_index = keras.tree.flatten(index)
     if len(flat_index) < len(flat_declared):
         return None
     # More given than declared: Keras pairs the first ones in order and drops the rest
