@@ -468,14 +468,19 @@ PYTHON_CODE_CAVEAT = (
     "tf.data pipeline, which runs before the private step) or write it with TensorFlow ops.")
 
 
+def _first_names(names, k):
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
 def check_no_xla_inside(start, where="the private step", model=None):
     """Refuses ops made since ``start`` (``traced_ops()``) that TensorFlow compiles with XLA
-    on its own: a ``jit_scope`` or a ``tf.function(jit_compile=True)`` entered inside the
-    model's layers or the loss, which ``check_no_jit_scope`` at the top of ``clipped_sum``
-    cannot see (session 26 audit: a layer's ``call`` under a ``jit_scope`` ran 9 steps with
-    "Compiled cluster using XLA!" logged and the report saying the guarantee holds; XLA's
-    ``tanh`` rounded 16 of 16 rows differently at 16 and 32 rows, where TensorFlow's own
-    kernel rounded none)."""
+    on its own: a ``jit_scope``, a ``tf.function(jit_compile=True)`` or an XLA-only op
+    (``XlaCallModule``) inside the model's layers or the loss, which ``check_no_jit_scope``
+    at the top of ``clipped_sum`` cannot see (session 26 audit: a layer's ``call`` under a
+    ``jit_scope`` ran 9 steps with "Compiled cluster using XLA!" logged and the report
+    saying the guarantee holds; XLA's ``tanh`` rounded 16 of 16 rows differently at 16 and
+    32 rows, where TensorFlow's own kernel rounded none). Python code among them
+    (``tf.py_function``) warns and gives ``model`` the voiding caveat ``OPAQUE_PYTHON``."""
     if start is None:
         return
     graph, first = start
@@ -485,22 +490,20 @@ def check_no_xla_inside(start, where="the private step", model=None):
         # review: XLA run inside it rounded 16 of 16 examples' norms differently at 16 and
         # 32 rows, with the guarantee reported as holding). Not refused (it is also how
         # code records what a step saw), but the report no longer says the guarantee holds.
-        shown = ", ".join(python[:3]) + (f" and {len(python) - 3} more" if len(python) > 3
-                                         else "")
+        shown = _first_names(python, 3)
         caveat = getattr(model, "_dp_caveat", None)
         if caveat is not None:
             caveat(PYTHON_CODE_CAVEAT)
         warnings.warn(f"tf_dp: {PYTHON_CODE_CAVEAT} (ops: {shown})", stacklevel=2)
     if marked:
-        shown = ", ".join(marked[:5]) + (f" and {len(marked) - 5} more" if len(marked) > 5
-                                         else "")
         raise ValueError(
-            f"tf_dp: {where} has TensorFlow compile ops with XLA on its own ({shown}): a "
-            "tf.xla.experimental.jit_scope(), a tf.function(jit_compile=True) or an XLA-only "
-            "op (XlaCallModule, as jax2tf makes) inside the model's layers or the loss. XLA's kernels round an example's terms differently "
-            "for different batch sizes, so one example could move the update by more than "
-            "l2_norm_clip, and tf_dp would neither pad the batches to one shape nor report "
-            "it. Remove it from the model and the loss; for XLA, use "
+            f"tf_dp: {where} has TensorFlow compile ops with XLA on its own "
+            f"({_first_names(marked, 5)}): a tf.xla.experimental.jit_scope(), a "
+            "tf.function(jit_compile=True) or an XLA-only op (XlaCallModule, as jax2tf "
+            "makes) inside the model's layers or the loss. XLA's kernels round an example's "
+            "terms differently for different batch sizes, so one example could move the "
+            "update by more than l2_norm_clip, and tf_dp would neither pad the batches to "
+            "one shape nor report it. Remove it from the model and the loss; for XLA, use "
             "model.compile(jit_compile=True), which compiles the whole private step.")
 
 
